@@ -1,0 +1,157 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout: RUN_DIR/checkpoints/step-000123/ holds the DCP shards (`*.distcp` + `.metadata`), one
+`rng/rank-NNNNN.pt` per rank, and `meta.json`, written last. Everything is first written under
+`step-000123.staging/` and renamed only when complete, so a directory named `step-*` without a
+suffix and with a `meta.json` is a complete checkpoint; anything else is ignored by the loader.
+
+The checkpointer knows nothing of the insides of what it saves: it receives a dict of Stateful
+objects (model+optimizer, train state, data cursor) and calls their state_dict/load_state_dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from shardwise.errors import UserError
+from shardwise.utils.files import atomic_write_text
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+META = "meta.json"
+
+
+class ModelAndOptimizer(Stateful):
+    """Model + optimizer state in DCP's layout-independent form (FQN keys, sharded tensors)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+
+
+class _Plain(Stateful):
+    """Adapts an object with state_dict/load_state_dict of plain Python values."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to a full CPU tensor on rank 0 (empty elsewhere); collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+class Checkpointer:
+    def __init__(self, root: Path, rank: int, distributed: bool) -> None:
+        self.root = root
+        self.rank = rank
+        self.distributed = distributed
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def save(self, step: int, components: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write a complete checkpoint for `step` (collective: every rank calls it)."""
+        final = self.root / step_dir_name(step)
+        staging = self.root / f"{step_dir_name(step)}.staging"
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self._barrier()
+        state = {name: _wrap(obj) for name, obj in components.items()}
+        dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
+        (staging / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
+        self._barrier()
+        if self.rank == 0:
+            meta = {**meta, "step": step, "save_seconds": round(time.perf_counter() - t0, 4)}
+            atomic_write_text(staging / META, json.dumps(meta, indent=2, sort_keys=True))
+            if final.exists():  # the same step saved again (e.g. stop_at == a cadence step)
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync_dir(self.root)
+        self._barrier()
+        return final
+
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint, or None."""
+        if not self.root.is_dir():
+            return None
+        complete = [p for p in self.root.iterdir()
+                    if _STEP_DIR.match(p.name) and (p / META).is_file()]
+        return max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+    def load(self, path: Path, components: dict[str, Any]) -> dict[str, Any]:
+        """Restore every component from `path` in place; return its meta."""
+        meta_path = path / META
+        if not meta_path.is_file():
+            raise UserError(f"{path} is not a complete checkpoint (no {META}); it may be a "
+                            "save that was interrupted. Resume from an earlier checkpoint.")
+        state = {name: _wrap(obj) for name, obj in components.items()}
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        return json.loads(meta_path.read_text())
+
+
+def _wrap(obj: Any) -> Stateful:
+    return obj if isinstance(obj, Stateful) else _Plain(obj)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

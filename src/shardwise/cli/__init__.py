@@ -1,0 +1,1 @@
+"""Command-line interface: `shardwise train` (more commands arrive with their issues)."""

@@ -1,0 +1,45 @@
+"""The `shardwise` command. User errors exit 2 with one paragraph; nothing else prints a traceback
+unless it is a bug."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from shardwise.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Distributed training on PyTorch whose results do not change with the layout.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    from shardwise.cli import train
+
+    train.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as err:
+        print_error(str(err))
+        return err.exit_code
+    except KeyboardInterrupt:
+        print_error("interrupted. Whatever the run wrote so far stays in its run directory.")
+        return 130
+
+
+def print_error(message: str) -> None:
+    text = textwrap.fill(message, width=100, subsequent_indent="  ",
+                         break_long_words=False, break_on_hyphens=False)
+    print(f"error: {text}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

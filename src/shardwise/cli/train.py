@@ -1,0 +1,112 @@
+"""`shardwise train [CONFIG] [--set section.key=value ...] [--nproc N] [--resume RUN_DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from shardwise.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a model (the embedded Shakespeare GPT when no config is given)",
+        description="Train the run a RunSpec describes. Without CONFIG, the embedded default: a "
+                    "small GPT on the Shakespeare plays, FSDP on 2 local workers.")
+    p.add_argument("config", nargs="?", help="RunSpec TOML file (default: built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=V",
+                   help="override one spec field, e.g. --set optimizer.lr=1e-3 (repeatable)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local worker processes (default: parallel.nproc, 2)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--print-spec", action="store_true",
+                   help="print the resolved spec as TOML and exit without training")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardwise.parallel.distributed import under_launcher
+    from shardwise.run import rundir
+    from shardwise.spec import load_spec
+
+    if args.resume and args.config:
+        raise UserError(
+            f"pass either a CONFIG ({args.config}) or --resume {args.resume}, not both: a resumed "
+            "run keeps the spec saved in its run directory. Change fields of it with --set.")
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc}: the number of workers must be at least 1.")
+        args.overrides.append(f"parallel.nproc={args.nproc}")
+    if args.resume:
+        run_dir = rundir.existing_run_dir(args.resume)
+        spec = rundir.load_run_spec(run_dir, args.overrides)
+    else:
+        spec = load_spec(args.config, args.overrides)
+
+    if under_launcher():  # torchrun started us: every rank runs this; the launcher owns the world
+        from shardwise.run.worker import run_under_torchrun
+
+        run_under_torchrun(spec, args.resume)
+        return 0
+    return _launch(spec, args.resume, args.print_spec)
+
+
+def _launch(spec, resume: str | None, print_spec: bool) -> int:  # noqa: ANN001 - RunSpec
+    from shardwise.data import BatchLayout, prepare_data
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.run import rundir
+    from shardwise.run.worker import with_data_hashes
+    from shardwise.spec import spec_to_toml
+
+    nproc = spec.parallel.nproc
+    dims = ParallelDims.from_spec(spec.parallel, nproc)  # layout errors before any work
+    BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
+    spec = with_data_hashes(spec, prepare_data(spec.data))
+    if print_spec:
+        sys.stdout.write(spec_to_toml(spec))
+        return 0
+    run_dir = rundir.existing_run_dir(resume) if resume else rundir.new_run_dir(spec)
+    rundir.write_spec(run_dir, spec)
+    print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
+          f"{'s' if nproc > 1 else ''})", file=sys.stderr)
+    if nproc == 1:
+        from shardwise.run.worker import run_worker
+
+        summary = run_worker(spec, run_dir, resume=resume is not None)
+    else:
+        from shardwise.run.launch import WorkersFailed, launch_local
+
+        try:
+            launch_local(run_dir, nproc, resume is not None)
+        except WorkersFailed as err:
+            from shardwise.cli.main import print_error
+
+            print_error(str(err))
+            return err.exit_code
+        summary = None
+    _print_summary(run_dir, summary)
+    return 0
+
+
+def _print_summary(run_dir: Path, summary) -> None:  # noqa: ANN001 - TrainSummary | None
+    """Read the run's own events back, so the summary is the same however it was launched."""
+    end = None
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            event = json.loads(line)
+            if event["kind"] == "run_end":
+                end = event
+    if end is None:
+        return
+    lines = [f"finished step {end['step']} in {end['wall_s']:.1f} s"]
+    if end.get("val_loss") is not None:
+        lines.append(f"held-out loss {end['val_loss']:.4f} vs unigram baseline "
+                     f"{end['unigram_loss']:.4f}")
+    if end.get("sample"):
+        lines.append("sample:\n" + end["sample"])
+    lines.append(f"outputs: {run_dir}/ (spec.toml, metrics.jsonl, tb/, checkpoints/)")
+    print("\n".join(lines))

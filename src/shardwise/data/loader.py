@@ -1,0 +1,89 @@
+"""Per-rank batches for training and evaluation, driven by a sample cursor that is the only state.
+
+The cursor counts global samples consumed. Step batches start at the cursor, so a run resumed from
+a checkpoint — at any data-parallel degree — reads exactly the samples the uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardwise.data.sampler import BatchLayout, GlobalSampler, PackedSequences
+from shardwise.errors import UserError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainBatches:
+    """Stateful: `state_dict()` is the data position (global samples consumed)."""
+
+    def __init__(self, sequences: PackedSequences, seed: int, layout: BatchLayout,
+                 dp_rank: int, device: torch.device) -> None:
+        self.sequences = sequences
+        self.sampler = GlobalSampler(len(sequences), seed)
+        self.layout = layout
+        self.dp_rank = dp_rank
+        self.device = device
+        self.consumed_samples = 0
+
+    def step_indices(self) -> list[np.ndarray]:
+        """Global sample indices of this rank's micro-batches for the next step."""
+        return self.layout.rank_indices(self.consumed_samples, self.dp_rank)
+
+    def next_step(self) -> tuple[list[Batch], int]:
+        """This rank's micro-batches for the next step, and the step's global target-token count.
+
+        Every token of a packed sequence is a target, so the global count is B·T; it is computed
+        here, not communicated, because every rank knows the whole step's samples.
+        """
+        batches = [self._load(idx) for idx in self.step_indices()]
+        self.consumed_samples += self.layout.global_batch
+        return batches, self.layout.global_batch * self.sequences.seq_len
+
+    def _load(self, global_indices: np.ndarray) -> Batch:
+        x, y = self.sequences.batch(self.sampler.sequence_ids(global_indices))
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.sampler.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["seed"]) != self.sampler.seed:
+            raise UserError(
+                f"the checkpoint was written with run.seed = {int(state['seed'])} but the spec now "
+                f"says {self.sampler.seed}; the data order would change. Resume with "
+                f"--set run.seed={int(state['seed'])}."
+            )
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+class EvalBatches:
+    """The first `num` validation sequences in order, split across data-parallel ranks."""
+
+    def __init__(self, sequences: PackedSequences, layout: BatchLayout, batches: int,
+                 dp_rank: int, device: torch.device) -> None:
+        per_round = layout.micro_batch * layout.dp
+        num = min(batches * layout.global_batch, len(sequences)) // per_round * per_round
+        if num == 0:
+            raise UserError(
+                f"the validation split has {len(sequences)} sequences, fewer than "
+                f"batch.micro_batch * dp = {per_round} needed for one evaluation round. Raise "
+                "data.val_fraction, shorten data.seq_len, or lower batch.micro_batch."
+            )
+        self.sequences = sequences
+        self.layout = BatchLayout(num, layout.micro_batch, layout.dp)
+        self.dp_rank = dp_rank
+        self.device = device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.global_batch * self.sequences.seq_len
+
+    def __iter__(self) -> Iterator[Batch]:
+        for idx in self.layout.rank_indices(0, self.dp_rank):
+            x, y = self.sequences.batch(idx)
+            yield x.to(self.device), y.to(self.device)

@@ -1,0 +1,16 @@
+"""Errors that users can fix.
+
+A `UserError` carries a one-paragraph message that names the field (or file) and the fix. The CLI
+prints it and exits with code 2, never with a traceback; everything else is a bug and keeps its
+traceback.
+"""
+
+
+class UserError(Exception):
+    """A problem in what the user asked for: config, paths, layout, data."""
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """The RunSpec is invalid: unknown key, wrong type, or values that do not fit together."""

@@ -1,0 +1,206 @@
+"""A clean decoder-only GPT: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
+
+The model knows nothing of meshes. Its parallelizable modules have stable names
+(`layers.N.attention.wq/wk/wv/wo`, `layers.N.feed_forward.w1/w2/w3`, `tok_embeddings`, `output`)
+and `sharding_plan()` declares which of them are column-, row- or sequence-parallel, so that
+`shardwise.parallel.parallelize` can apply any layout without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.spec.runspec import ModelSection
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @classmethod
+    def from_spec(cls, model: ModelSection, vocab_size: int, seq_len: int) -> GPTConfig:
+        ffn = model.ffn_hidden or _round_up(int(8 * model.d_model / 3), 64)
+        return cls(vocab_size, seq_len, model.n_layers, model.d_model, model.n_heads,
+                   model.n_kv_heads, ffn, model.tie_embeddings, model.rope_theta, model.norm_eps,
+                   model.init_std)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim/2), computed in float64 then cast, so every
+    rank and every layout gets the same bits."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs of x (batch, heads, seq, head_dim) by position."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 instead of the head count, so a tensor-parallel shard with fewer heads also works.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # A ModuleDict keyed "0".."L-1" keeps names stable when a pipeline stage drops layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, std) weights; residual output projections scaled by 1/sqrt(2L) (GPT-2)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                p.normal_(0.0, std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's "
+                             f"seq_len {self.cfg.seq_len}")
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+    # --- facts the rest of shardwise asks the model for -------------------------------------
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied embedding counts once)."""
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if exclude_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·N_matmul + 12·L·H·Q·T (PaLM appendix B).
+
+        N_matmul counts the weights used in matrix multiplies (all but the embedding lookup and the
+        norms; the output projection counts even when tied). The attention term counts QK^T and
+        AV over the full T×T square, forward and backward, without halving for the causal mask.
+        """
+        cfg = self.cfg
+        per_layer = (2 * cfg.d_model * cfg.n_heads * cfg.head_dim
+                     + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim
+                     + 3 * cfg.d_model * cfg.ffn_hidden)
+        n_matmul = cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
+        attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
+        return float(6 * n_matmul + attention)
+
+    @staticmethod
+    def sharding_plan() -> dict[str, str]:
+        """Module-name patterns and how tensor/sequence parallel splits them (used by later layouts)."""
+        return {
+            "tok_embeddings": "rowwise",
+            "layers.*.attention_norm": "sequence",
+            "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise",
+            "layers.*.attention.wv": "colwise",
+            "layers.*.attention.wo": "rowwise",
+            "layers.*.ffn_norm": "sequence",
+            "layers.*.feed_forward.w1": "colwise",
+            "layers.*.feed_forward.w3": "colwise",
+            "layers.*.feed_forward.w2": "rowwise",
+            "norm": "sequence",
+            "output": "colwise",
+        }

@@ -1,0 +1,92 @@
+"""ParallelDims: the parallel degrees of a run and nothing else.
+
+Degrees are validated against the world size with messages that name the numbers. The device mesh
+is built from them with named axes in the Llama 3 order — pp outermost, then dp_replicate,
+dp_shard, cp, and tp innermost (fastest links) — so that code asks for `mesh["dp"]` and never does
+rank arithmetic. This module imports no torch.distributed, so the planner can use it anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.errors import SpecError
+from shardwise.spec.runspec import ParallelSection
+
+#: Degrees that exist in the spec but whose parallelism has not landed yet.
+NOT_AVAILABLE_YET = {
+    "tp": "tensor + sequence parallel",
+    "pp": "pipeline parallel",
+    "cp": "context parallel (ring attention)",
+    "ep": "expert parallel",
+}
+
+#: Mesh axis order, outermost first.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_spec(cls, section: ParallelSection, world_size: int) -> ParallelDims:
+        """Resolve `dp_shard = -1` against the world size, then validate."""
+        others = section.dp_replicate * section.cp * section.tp * section.pp
+        dp_shard = section.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise SpecError(
+                    f"world size {world_size} is not divisible by dp_replicate({section.dp_replicate})"
+                    f" * cp({section.cp}) * tp({section.tp}) * pp({section.pp}) = {others}, so "
+                    "parallel.dp_shard = -1 cannot take the remaining ranks. Start a multiple of "
+                    f"{others} workers (--nproc / parallel.nproc) or change the degrees."
+                )
+            dp_shard = world_size // others
+        dims = cls(section.dp_replicate, dp_shard, section.cp, section.tp, section.pp, section.ep,
+                   world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise SpecError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * "
+                f"tp({self.tp}) * pp({self.pp}) = {product} != world size {self.world_size}. "
+                f"Start {product} workers (--nproc {product} / parallel.nproc), or set "
+                "parallel.dp_shard = -1 to let it take the ranks the other degrees leave."
+            )
+        for name, what in NOT_AVAILABLE_YET.items():
+            degree = getattr(self, name)
+            if degree != 1:
+                raise SpecError(
+                    f"parallel.{name} = {degree} asks for {what}, which is not available yet in "
+                    f"this version of shardwise. Set parallel.{name} = 1; the data-parallel "
+                    "layouts available now are DDP (dp_replicate), FSDP (dp_shard) and HSDP (both)."
+                )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def describe(self) -> str:
+        """A short name of the layout, for logs: `fsdp2`, `ddp2`, `hsdp2x2`, `single`."""
+        if self.world_size == 1:
+            return "single"
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return f"hsdp{self.dp_replicate}x{self.dp_shard}"
+        if self.dp_shard > 1:
+            return f"fsdp{self.dp_shard}"
+        return f"ddp{self.dp_replicate}"

@@ -1,0 +1,46 @@
+"""Start N local workers through torch's elastic agent — the engine behind torchrun.
+
+Rendezvous is c10d on localhost port 0, so the agent binds a free port: parallel jobs on one
+machine never collide on a fixed port.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+class WorkersFailed(Exception):
+    """One or more workers exited non-zero; `exit_code` is 2 when all failed on a user error."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0) -> None:
+    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        monitor_interval=0.1,
+    )
+    args = ["-m", "shardwise.run.worker", str(run_dir)] + (["--resume"] if resume else [])
+    try:
+        elastic_launch(config, sys.executable)(*args)
+    except ChildFailedError as err:
+        codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+        user_error = all(code == 2 for code in codes.values())
+        listed = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
+        raise WorkersFailed(
+            f"training failed: {listed}. The workers' own messages are printed above; the run "
+            f"directory {run_dir} keeps everything written so far "
+            "(resume from its last checkpoint with `shardwise train --resume "
+            f"{run_dir}`).", 2 if user_error else 1) from None

@@ -1,0 +1,215 @@
+"""Build a run from a RunSpec and train it: a short loop of steps plus hooks.
+
+The trainer owns only `{step, tokens_seen}`; model, optimizer and data cursor own their state, and
+the checkpointer saves them as a set.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise import __version__
+from shardwise.checkpoint import Checkpointer, ModelAndOptimizer
+from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
+from shardwise.models import build_model
+from shardwise.parallel.distributed import DistContext
+from shardwise.parallel.parallelize import local_model_bytes, parallelize
+from shardwise.run.generate import generate
+from shardwise.run.optim import build_optimizer, lr_at
+from shardwise.run.step import StepResult, evaluate, train_step
+from shardwise.spec.runspec import RunSpec
+from shardwise.telemetry import EventLog
+
+
+@dataclass
+class TrainState:
+    """The trainer's own resume state."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+@dataclass
+class Hook:
+    """`fn(trainer, result)` after every `every`-th step (0 = never), and at the end if asked."""
+
+    name: str
+    every: int
+    fn: Callable[[Trainer, StepResult], None]
+    at_end: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and last)
+
+
+@dataclass
+class TrainSummary:
+    losses: list[float] = field(default_factory=list)  # one per step run in this launch
+    val_losses: dict[int, float] = field(default_factory=dict)
+    final_step: int = 0
+    sample_text: str = ""
+    checkpoint: str = ""
+    unigram_loss: float = 0.0
+    model_params: int = 0
+    extra: Any = None
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec, ctx: DistContext, run_dir: Path, data: PreparedData,
+                 events: EventLog) -> None:
+        self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
+        torch.manual_seed(spec.run.seed)
+        model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token()
+        self.model = parallelize(model, ctx)
+        self.optimizer = build_optimizer(self.model, spec.optimizer, ctx.device)
+        self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
+                                          ctx.dims.dp)
+        self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
+                                       spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
+        self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
+                                     spec.eval.batches, ctx.dp_rank, ctx.device)
+        self.state = TrainState()
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", ctx.rank, ctx.distributed)
+        self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
+                                    model_params=self.num_params)
+        self.hooks = [
+            Hook("log", spec.log.every, _log_hook),
+            Hook("eval", spec.eval.every, _eval_hook),
+            Hook("checkpoint", spec.checkpoint.every, _checkpoint_hook,
+                 at_end=spec.checkpoint.enabled),
+        ]
+        self._step_times: list[float] = []
+
+    # --- state -------------------------------------------------------------------------------
+    def components(self) -> dict[str, Any]:
+        return {"model_optim": ModelAndOptimizer(self.model, self.optimizer),
+                "train": self.state, "data": self.train_data}
+
+    def resume(self, checkpoint: Path) -> None:
+        meta = self.checkpointer.load(checkpoint, self.components())
+        self.events.emit("resume", self.state.step, path=str(checkpoint),
+                         from_layout=meta.get("layout"), from_world_size=meta.get("world_size"))
+
+    @property
+    def stop_step(self) -> int:
+        return self.spec.run.stop_at or self.spec.run.steps
+
+    # --- the loop ----------------------------------------------------------------------------
+    def steps(self) -> Iterator[StepResult]:
+        spec = self.spec
+        while self.state.step < self.stop_step:
+            t0 = time.perf_counter()
+            batches, tokens = self.train_data.next_step()
+            result = train_step(
+                self.model, self.optimizer, batches, tokens, step=self.state.step,
+                lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
+                grad_clip=spec.optimizer.grad_clip, precision=spec.run.precision, ctx=self.ctx)
+            self.state.step = result.step
+            self.state.tokens_seen += tokens
+            self._step_times.append(time.perf_counter() - t0)
+            yield result
+
+    def fit(self) -> TrainSummary:
+        self._emit_start()
+        t_start = time.perf_counter()
+        for result in self.steps():
+            self.summary.losses.append(result.loss)
+            last = result.step == self.stop_step
+            for hook in self.hooks:
+                if hook.due(result.step, last):
+                    hook.fn(self, result)
+        self.summary.final_step = self.state.step
+        if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
+            self._sample()
+        self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
+                         tokens_seen=self.state.tokens_seen,
+                         final_loss=self.summary.losses[-1] if self.summary.losses else None,
+                         val_loss=self.summary.val_losses.get(self.state.step),
+                         unigram_loss=self.data.unigram_val_loss, sample=self.summary.sample_text)
+        return self.summary
+
+    # --- helpers used by hooks -----------------------------------------------------------------
+    def _emit_start(self) -> None:
+        self.events.emit(
+            "run_start", self.state.step, version=__version__, layout=self.ctx.dims.describe(),
+            world_size=self.ctx.world_size, mesh=self.ctx.dims.mesh_shape,
+            device=str(self.ctx.device), threads=torch.get_num_threads(),
+            model_params=self.num_params, flops_per_token=self.flops_per_token,
+            accumulation=self.layout.accumulation, tokens_per_step=self.layout.global_batch
+            * self.spec.data.seq_len, param_bytes_per_rank=self._gather_floats(
+                float(local_model_bytes(self.model))),
+            unigram_loss=self.data.unigram_val_loss)
+
+    def _gather_floats(self, value: float) -> list[float]:
+        """One value from every rank, in rank order (collective)."""
+        if not self.ctx.distributed:
+            return [value]
+        t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
+        out = [torch.zeros_like(t) for _ in range(self.ctx.world_size)]
+        dist.all_gather(out, t)
+        return [float(x) for x in out]
+
+    def _sample(self) -> None:
+        tok = self.data.tokenizer()
+        if tok is None:
+            return
+        prompt = tok.encode(self.spec.sample.prompt).ids
+        s = self.spec.sample
+        ids = generate(self.model, prompt, new_tokens=s.tokens, seq_len=self.spec.data.seq_len,
+                       temperature=s.temperature, top_k=s.top_k, seed=self.spec.run.seed,
+                       precision=self.spec.run.precision, ctx=self.ctx)
+        self.summary.sample_text = s.prompt + tok.decode(ids)
+        self.events.emit("sample", self.state.step, text=self.summary.sample_text)
+
+
+def _log_hook(trainer: Trainer, result: StepResult) -> None:
+    times = trainer._step_times
+    recent = times[-trainer.spec.log.every:]
+    local = statistics.median(recent)
+    per_rank = trainer._gather_floats(local)
+    step_time = max(per_rank)  # the step takes as long as the slowest rank
+    remaining = trainer.stop_step - result.step
+    trainer.events.emit(
+        "step", result.step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+        tokens_per_s=result.tokens / step_time, step_time_s=step_time,
+        step_time_s_per_rank=per_rank, tokens_seen=trainer.state.tokens_seen,
+        eta_s=remaining * statistics.mean(recent))
+
+
+def _eval_hook(trainer: Trainer, result: StepResult) -> None:
+    loss = evaluate(trainer.model, trainer.eval_data, trainer.eval_data.num_tokens,
+                    trainer.spec.run.precision, trainer.ctx)
+    trainer.summary.val_losses[result.step] = loss
+    trainer.events.emit("eval", result.step, val_loss=loss,
+                        unigram_loss=trainer.data.unigram_val_loss,
+                        eval_tokens=trainer.eval_data.num_tokens)
+
+
+def _checkpoint_hook(trainer: Trainer, result: StepResult) -> None:
+    t0 = time.perf_counter()
+    spec = trainer.spec
+    meta = {"layout": trainer.ctx.dims.describe(), "world_size": trainer.ctx.world_size,
+            "mesh": trainer.ctx.dims.mesh_shape, "spec_digest": spec.digest(),
+            "shardwise_version": __version__, "torch_version": torch.__version__,
+            "consumed_samples": trainer.train_data.consumed_samples}
+    path = trainer.checkpointer.save(result.step, trainer.components(), meta)
+    trainer.summary.checkpoint = str(path)
+    trainer.events.emit("checkpoint", result.step, path=str(path),
+                        save_seconds=round(time.perf_counter() - t0, 4))
+

