@@ -32,7 +32,8 @@ def train(store: Any, spec: RunSpec, resume: bool = False) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_spec(run_dir, spec)
     summary = run_worker(spec, run_dir, resume=resume, store=store, ui=False, after_fit=_collect)
-    return {"losses": summary.losses, "val_losses": summary.val_losses, **summary.extra}
+    return {"losses": summary.losses, "grad_norms": summary.grad_norms,
+            "val_losses": summary.val_losses, **summary.extra}
 
 
 def train_single(spec: RunSpec, resume: bool = False) -> dict[str, Any]:

@@ -11,11 +11,14 @@ objects (model+optimizer, train state, data cursor) and calls their state_dict/l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +99,8 @@ class Checkpointer:
             staging.mkdir(parents=True)
         self._barrier()
         state = {name: _wrap(obj) for name, obj in components.items()}
-        dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
+        with _quiet_single_process(self.distributed):
+            dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
         (staging / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
         self._barrier()
@@ -125,11 +129,21 @@ class Checkpointer:
             raise UserError(f"{path} is not a complete checkpoint (no {META}); it may be a "
                             "save that was interrupted. Resume from an earlier checkpoint.")
         state = {name: _wrap(obj) for name, obj in components.items()}
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+        with _quiet_single_process(self.distributed):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
         return json.loads(meta_path.read_text())
+
+
+@contextlib.contextmanager
+def _quiet_single_process(distributed: bool) -> Iterator[None]:
+    """DCP warns that it 'assumes' single-process mode; for us that is the intended mode."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _wrap(obj: Any) -> Stateful:

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     return _launch(spec, args.resume, args.print_spec)
 
 
-def _launch(spec, resume: str | None, print_spec: bool) -> int:  # noqa: ANN001 - RunSpec
+def _launch(spec, resume: str | None, print_spec: bool) -> int:
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.dims import ParallelDims
     from shardwise.run import rundir
@@ -68,7 +68,11 @@ def _launch(spec, resume: str | None, print_spec: bool) -> int:  # noqa: ANN001 
     if print_spec:
         sys.stdout.write(spec_to_toml(spec))
         return 0
-    run_dir = rundir.existing_run_dir(resume) if resume else rundir.new_run_dir(spec)
+    if resume:
+        run_dir = rundir.existing_run_dir(resume)
+        rundir.resume_checkpoint(run_dir, spec)  # fail here, before starting any worker
+    else:
+        run_dir = rundir.new_run_dir(spec)
     rundir.write_spec(run_dir, spec)
     print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
           f"{'s' if nproc > 1 else ''})", file=sys.stderr)
@@ -91,7 +95,7 @@ def _launch(spec, resume: str | None, print_spec: bool) -> int:  # noqa: ANN001 
     return 0
 
 
-def _print_summary(run_dir: Path, summary) -> None:  # noqa: ANN001 - TrainSummary | None
+def _print_summary(run_dir: Path, summary) -> None:
     """Read the run's own events back, so the summary is the same however it was launched."""
     end = None
     metrics = run_dir / "metrics.jsonl"

@@ -6,6 +6,8 @@ writers are safe because every cache file is written atomically); workers then o
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ class PreparedData:
     tokenizer_path: Path | None
     unigram_val_loss: float  # cross-entropy (nats) of val tokens under train token frequencies
 
-    def tokenizer(self):  # noqa: ANN201 - tokenizers.Tokenizer, imported lazily
+    def tokenizer(self):
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(self.tokenizer_path)) if self.tokenizer_path else None
@@ -103,17 +105,13 @@ def _token_file(data: DataSection) -> tuple[np.ndarray, str, str, None]:
     key = f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
     known = json.loads(meta.read_text()) if meta.exists() else {}
     if key not in known:
-        import hashlib
-
         h = hashlib.sha256()
         with path.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
         known[key] = h.hexdigest()
-        try:
+        with contextlib.suppress(OSError):  # the hash cache is an optimisation only
             atomic_write_text(meta, json.dumps(known))
-        except OSError:
-            pass  # the hash cache is an optimisation only
     return tokens, known[key], "", None
 
 

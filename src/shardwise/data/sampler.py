@@ -53,11 +53,12 @@ class BatchLayout:
         per_step = micro_batch * dp
         if global_batch % per_step:
             lower = max(per_step, global_batch // per_step * per_step)
+            other = (f", or a micro_batch that divides {global_batch // dp}"
+                     if global_batch % dp == 0 else "")
             raise SpecError(
                 f"batch.global_batch ({global_batch}) is not a multiple of batch.micro_batch "
                 f"({micro_batch}) * data-parallel degree ({dp}) = {per_step}, so ranks would get "
-                f"unequal work. Use global_batch {lower} or {lower + per_step}, or a micro_batch "
-                f"that divides {global_batch // dp if global_batch % dp == 0 else global_batch}."
+                f"unequal work. Use global_batch {lower} or {lower + per_step}{other}."
             )
         return cls(global_batch, micro_batch, dp)
 
@@ -71,9 +72,9 @@ class BatchLayout:
         """Micro-batches each rank runs per step (gradient accumulation)."""
         return self.micro_batches // self.dp
 
-    def rank_indices(self, step: int, dp_rank: int) -> list[np.ndarray]:
-        """Global sample indices of each micro-batch that `dp_rank` runs at `step`."""
-        start = step * self.global_batch
+    def rank_indices(self, start: int, dp_rank: int) -> list[np.ndarray]:
+        """Global sample indices of each micro-batch that `dp_rank` runs in the step whose
+        first global sample index is `start` (step k of a constant batch: start = k·B)."""
         return [
             np.arange(start + j * self.micro_batch, start + (j + 1) * self.micro_batch)
             for j in range(dp_rank, self.micro_batches, self.dp)

@@ -7,12 +7,16 @@ machine never collide on a fixed port.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+#: Workers started by `launch_local` write user errors here instead of printing them N times.
+ERRORS_DIR = ".worker-errors"
 
 
 class WorkersFailed(Exception):
@@ -26,21 +30,28 @@ class WorkersFailed(Exception):
 def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0) -> None:
     """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        # Our own message below names the failed ranks; the agent's log lines would repeat it.
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.1,
     )
     args = ["-m", "shardwise.run.worker", str(run_dir)] + (["--resume"] if resume else [])
+    errors = run_dir / ERRORS_DIR
+    shutil.rmtree(errors, ignore_errors=True)
     try:
         elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as err:
         codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
-        user_error = all(code == 2 for code in codes.values())
+        messages = sorted({p.read_text() for p in errors.glob("rank-*.txt")})
+        if messages:  # a user error, the same on every rank that saw it: say it once
+            raise WorkersFailed(" ".join(messages), 2) from None
         listed = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
         raise WorkersFailed(
-            f"training failed: {listed}. The workers' own messages are printed above; the run "
-            f"directory {run_dir} keeps everything written so far "
-            "(resume from its last checkpoint with `shardwise train --resume "
-            f"{run_dir}`).", 2 if user_error else 1) from None
+            f"training failed: {listed} (a negative code is the signal that stopped it). The "
+            f"workers' own output is above; the run directory {run_dir} keeps everything "
+            f"written so far: continue from its last checkpoint with `shardwise train --resume "
+            f"{run_dir}`.", 1) from None
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)

@@ -44,6 +44,30 @@ def existing_run_dir(path_text: str) -> Path:
     return path
 
 
+def resume_checkpoint(run_dir: Path, spec: RunSpec) -> Path:
+    """The newest complete checkpoint of the run, checked to leave steps to train."""
+    import json
+
+    from shardwise.checkpoint.checkpointer import META, Checkpointer
+
+    checkpoint = Checkpointer(run_dir / "checkpoints", rank=0, distributed=False).latest()
+    if checkpoint is None:
+        raise UserError(
+            f"nothing to resume in {run_dir}: no complete checkpoint under "
+            f"{run_dir / 'checkpoints'}. Start a fresh run instead, or check that the earlier "
+            "run reached a checkpoint (checkpoint.every, run.stop_at)."
+        )
+    step = int(json.loads((checkpoint / META).read_text())["step"])
+    stop = spec.run.stop_at or spec.run.steps
+    if step >= stop:
+        raise UserError(
+            f"{run_dir} is already at step {step}, the end of the run (run.steps = "
+            f"{spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train further, resume with "
+            f"--set run.steps=N for some N > {step}."
+        )
+    return checkpoint
+
+
 def load_run_spec(run_dir: Path, overrides: list[str]) -> RunSpec:
     return load_spec(run_dir / SPEC_FILE, overrides)
 

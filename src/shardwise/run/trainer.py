@@ -59,6 +59,7 @@ class Hook:
 @dataclass
 class TrainSummary:
     losses: list[float] = field(default_factory=list)  # one per step run in this launch
+    grad_norms: list[float] = field(default_factory=list)  # before clipping
     val_losses: dict[int, float] = field(default_factory=dict)
     final_step: int = 0
     sample_text: str = ""
@@ -130,6 +131,7 @@ class Trainer:
         t_start = time.perf_counter()
         for result in self.steps():
             self.summary.losses.append(result.loss)
+            self.summary.grad_norms.append(result.grad_norm)
             last = result.step == self.stop_step
             for hook in self.hooks:
                 if hook.due(result.step, last):

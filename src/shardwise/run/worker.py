@@ -10,6 +10,7 @@ Started three ways, all ending in `run_worker`:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
 from shardwise.run import rundir
+from shardwise.run.launch import ERRORS_DIR
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
@@ -51,20 +53,7 @@ def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, resume: bool, ui: boo
     try:
         trainer = Trainer(spec, ctx, run_dir, data, events)
         if resume:
-            checkpoint = trainer.checkpointer.latest()
-            if checkpoint is None:
-                raise UserError(
-                    f"nothing to resume in {run_dir}: no complete checkpoint under "
-                    f"{run_dir / 'checkpoints'}. Start a fresh run instead, or check that the "
-                    "earlier run reached a checkpoint (checkpoint.every, run.stop_at)."
-                )
-            trainer.resume(checkpoint)
-            if trainer.state.step >= trainer.stop_step:
-                raise UserError(
-                    f"{run_dir} is already at step {trainer.state.step}, the end of the run "
-                    f"(run.steps = {spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train "
-                    f"further, resume with --set run.steps=N for some N > {trainer.state.step}."
-                )
+            trainer.resume(rundir.resume_checkpoint(run_dir, spec))
         summary = trainer.fit()
         if after_fit is not None:
             summary.extra = after_fit(trainer)
@@ -144,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = rundir.load_run_spec(run_dir, [])
         run_worker(spec, run_dir, resume=args.resume)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # The launcher prints it once for all ranks (every rank usually hits the same error).
+        (run_dir / ERRORS_DIR).mkdir(exist_ok=True)
+        (run_dir / ERRORS_DIR / f"rank-{os.environ.get('RANK', '0')}.txt").write_text(str(err))
         return err.exit_code
     return 0
 

@@ -29,11 +29,12 @@ class RunSection:
     name: str = "shakespeare-gpt"
     dir: str = ""  # "" -> runs/<name>-<timestamp>
     seed: int = 1234
-    steps: int = 300  # total optimizer steps; the LR schedule spans exactly these
+    steps: int = 500  # total optimizer steps; the LR schedule spans exactly these
     stop_at: int = 0  # stop (with a checkpoint) after this step; 0 = run all `steps`
     precision: str = "fp32"
 
     def validate(self) -> None:
+        _at_least("run.seed", self.seed, 0)
         _positive("run.steps", self.steps)
         _at_least("run.stop_at", self.stop_at, 0)
         if self.stop_at > self.steps:
@@ -208,7 +209,7 @@ class ParallelSection:
 class EvalSection:
     """Held-out loss every `every` steps over `batches` global batches of the validation split."""
 
-    every: int = 50  # 0 disables periodic evaluation (the final one still runs)
+    every: int = 100  # 0 disables periodic evaluation (the final one still runs)
     batches: int = 4
 
     def validate(self) -> None:
@@ -298,7 +299,7 @@ def _positive(name: str, value: float) -> None:
 
 
 def _at_least(name: str, value: float, low: float) -> None:
-    if value < low:
+    if not value >= low:  # also rejects NaN
         raise SpecError(f"{name} is {value}; it must be at least {low}.")
 
 

