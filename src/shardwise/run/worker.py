@@ -39,10 +39,13 @@ def run_worker(spec: RunSpec, run_dir: Path, resume: bool = False,
     is returned as `summary.extra` — tests use it to gather the final parameters.
     """
     ctx = init_distributed(spec.parallel, store)
+    clean = False
     try:
-        return _train(spec, ctx, run_dir, resume, ui, after_fit=after_fit)
+        summary = _train(spec, ctx, run_dir, resume, ui, after_fit=after_fit)
+        clean = True
+        return summary
     finally:
-        shutdown()
+        shutdown(clean)
 
 
 def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, resume: bool, ui: bool,
@@ -97,6 +100,7 @@ def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> Even
 def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
     """Entry when torchrun started the CLI: agree on one run directory, then train."""
     ctx = init_distributed(spec.parallel)
+    clean = False
     try:
         data = _prepare_everywhere(spec, ctx)
         spec = with_data_hashes(spec, data)
@@ -112,9 +116,11 @@ def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
             dist.broadcast_object_list(holder, src=0)
         if isinstance(holder[0], UserError):
             raise holder[0]
-        return _train(spec, ctx, Path(str(holder[0])), resume_dir is not None, ui=True, data=data)
+        summary = _train(spec, ctx, Path(str(holder[0])), resume_dir is not None, ui=True, data=data)
+        clean = True
+        return summary
     finally:
-        shutdown()
+        shutdown(clean)
 
 
 def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
