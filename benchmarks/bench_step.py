@@ -20,10 +20,10 @@ measurement, one process group), with the same threads per process (cores / rank
 configuration is repeated R times alternating ours / baseline (ABAB). A step's time is the
 slowest rank's; the reported figure is the median over repeats of each repeat's median over the
 timed steps (warmup steps are dropped). The last column, max |Δloss|, compares the two sides'
-global losses step by step: it should be ~1e-6 (same math, different summation order), so a
+global losses step by step: it should be 1e-6 or less (same math, summation order may differ); a
 large value means the two sides did not train the same thing.
 
-    python benchmarks/bench_step.py                 # defaults: spec-default model, ~3-5 min
+    python benchmarks/bench_step.py                 # spec-default model: ~2-3 min on 2 idle cores
     python benchmarks/bench_step.py --quick         # tiny smoke run, ~30 s
     python benchmarks/bench_step.py --output benchmarks/RESULTS.md
 """
@@ -77,7 +77,8 @@ BENCH_OVERRIDES = [
     "log.progress=false", "log.every=1000000", "parallel.timeout_s=300",
 ]
 
-#: --quick: a ~60 K-parameter model on short sequences, accumulation 2 at world 2 as well.
+#: --quick: a 2-layer d_model-64 model (0.2 M parameters, most in the embedding) on short
+#: sequences, with gradient accumulation 2 at world 2 as well, so the no_sync paths run.
 QUICK_OVERRIDES = [
     "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
     "model.ffn_hidden=128", "data.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2",
@@ -150,6 +151,7 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
     lrs = [lr_at(s, opt_spec, spec.run.steps) for s in range(n_steps)]
     plan = sequence_plan(spec, data, rank, world, n_steps)
     tokens, seq = data.train, spec.data.seq_len
+    bf16 = spec.run.precision == "bf16"  # --set run.precision=bf16; .float() is free in fp32
 
     model.train()
     times, step_losses = [], []
@@ -170,11 +172,13 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
             elif config == "fsdp2":
                 model.set_requires_gradient_sync(last)
             with sync:
-                logits = model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(micro)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
                 loss.backward()
             step_loss += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_spec.grad_clip, foreach=True)
+        if opt_spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_spec.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -207,8 +211,7 @@ def run_plan(plan: list[tuple[str, int, str]], specs: dict[str, RunSpec], data: 
             times = t.tolist()
         timed = [1000.0 * s for s in times[warmup:]]
         records.append({"config": config, "repeat": repeat, "impl": impl, "ms": timed,
-                        "warmup_ms": [1000.0 * s for s in times[:warmup]], "losses": losses,
-                        "threads": threads})
+                        "losses": losses, "threads": threads})
         if rank == 0:
             print(f"  {config:<6} repeat {repeat + 1} {impl:<8} median "
                   f"{statistics.median(timed):8.1f} ms  (first warmup step "
@@ -270,6 +273,24 @@ def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, R
 
 
 # --- report -------------------------------------------------------------------------------------
+def cpu_busy(seconds: float = 1.0) -> str:
+    """Share of all cores busy over `seconds`, from /proc/stat: other work on the machine shows
+    here (the load average lags by minutes and counts this benchmark's own earlier runs)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return "n/a"
+    busy = 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    return f"{100 * busy:.0f}%"
+
+
 def machine_info() -> dict[str, str]:
     cpu = platform.processor() or "unknown"
     try:
@@ -287,6 +308,7 @@ def machine_info() -> dict[str, str]:
         "torch": f"{torch.__version__} ({parallel_backend})",
         "python": platform.python_version(),
         "load average (1/5/15 min) at start": load,
+        "CPU busy over 1 s before start (other work)": cpu_busy(),
     }
 
 
@@ -340,15 +362,15 @@ def model_line(spec: RunSpec, data: PreparedData, params: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 15)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps before them (default 3; DDP rebuilds buckets after "
                              "step 1, so keep >= 2)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each side per configuration, alternating ours/baseline "
-                             "(default 3)")
+                             "(default 4)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny model and 1+3 steps x 2 repeats: a smoke run, not a measurement")
+                        help="tiny model, 2+3 steps x 2 repeats: a smoke run, not a measurement")
     parser.add_argument("--configs", default="single,ddp2,fsdp2",
                         help=f"comma-separated subset of {', '.join(CONFIGS)}")
     parser.add_argument("--source", default=None,
@@ -361,9 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the world-2 ranks may take in all before they are killed")
     args = parser.parse_args(argv)
 
-    steps = args.steps if args.steps is not None else (3 if args.quick else 10)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 4)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs or steps < 1 or warmup < 0 or repeats < 1:
@@ -406,12 +428,25 @@ def main(argv: list[str] | None = None) -> int:
         records += run_spawned(world, sub, specs, warmup, steps, args.timeout)
 
     rows = summarize(records, configs, specs)
-    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
     wall = time.perf_counter() - t_start
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    busy_end = cpu_busy()
+    after = [f"load average at end: {load_end}; CPU busy over 1 s after the run (other work): "
+             f"{busy_end}; total wall time {wall:.0f} s"]
+    for config in configs:
+        per = [f"{statistics.median(r['ms']):.0f}" for r in records if r["config"] == config]
+        after.append(f"per-repeat medians {config} (ours, baseline, ours, ...): "
+                     f"{' '.join(per)} ms")
+    noisy = [x for x in (info["CPU busy over 1 s before start (other work)"], busy_end)
+             if x.endswith("%") and float(x[:-1]) > 15]
+    if noisy:
+        after.append("warning: other work was using the CPU, so these timings are noisy; "
+                     "rerun on an idle machine before drawing conclusions.")
     lines = table(rows)
     print()
     print("\n".join(lines))
-    print(f"\nload average at end: {load_end}; total wall time {wall:.0f} s")
+    print()
+    print("\n".join(after))
     print("ours/baseline > 1 means shardwise is slower. Ranges are min-max of the per-repeat "
           "medians.")
 
@@ -421,10 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                   else argv)
         section = [f"## bench_step {stamp}", "", f"`{command.strip()}`", ""]
         section += [f"- {k}: {v}" for k, v in info.items()]
-        section += [f"- load average at end: {load_end}",
-                    f"- {model_line(base_spec, data, params)}",
+        section += [f"- {model_line(base_spec, data, params)}",
                     f"- {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side "
-                    f"(ABAB); total wall time {wall:.0f} s", "", *lines, ""]
+                    "(ABAB)", "", *lines, "", *(f"- {x}" for x in after), ""]
         args.output.parent.mkdir(parents=True, exist_ok=True)
         with args.output.open("a", encoding="utf-8") as f:
             f.write("\n".join(section) + "\n")
