@@ -40,7 +40,7 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     assert len(spec["data"]["content_hash"]) == 64 and len(spec["data"]["tokenizer_hash"]) == 64
     evs = events(run_dir)
     start = next(e for e in evs if e["kind"] == "run_start")
-    assert start["layout"] == "fsdp2" and start["world_size"] == 2
+    assert start["layout"] == "zero3-2" and start["world_size"] == 2
     assert start["model_params"] == 1967808  # the default GPT with the 2048-token BPE
     steps = [e for e in evs if e["kind"] == "step"]
     assert [e["step"] for e in steps] == [2, 4]
@@ -80,7 +80,7 @@ def test_same_entry_point_under_torchrun(small_corpus, tmp_path):
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1, runs  # both ranks agreed on one run directory
     start = next(e for e in events(runs[0]) if e["kind"] == "run_start")
-    assert start["world_size"] == 2 and start["layout"] == "fsdp2"
+    assert start["world_size"] == 2 and start["layout"] == "zero3-2"
 
 
 def test_examples_load_and_fit_their_layout():

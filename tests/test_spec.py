@@ -196,7 +196,7 @@ BAD_OVERRIDES = {
     "kv-heads": (["model.n_heads=4", "model.n_kv_heads=3"],
                  ["model.n_heads (4) is not a multiple of model.n_kv_heads (3)", "[1, 2, 4]"]),
     "negative-lr": (["optimizer.lr=-1"], ["optimizer.lr is -1.0"]),
-    "bad-choice": (["run.precision=fp16"], ["run.precision is 'fp16'", "'fp32', 'bf16'"]),
+    "bad-choice": (["run.precision=fp8"], ["run.precision is 'fp8'", "'fp32', 'bf16', 'fp16'"]),
     "no-equals": (["optimizer.lr"], ["--set 'optimizer.lr' is not of the form section.key=value"]),
     "no-dot": (["steps=5"], ["--set 'steps=5' is not of the form section.key=value"]),
 }
@@ -304,8 +304,8 @@ def test_cli_world_size_not_divisible(capsys, tiny_toml):
     assert_user_error(result, "world size 3 is not divisible", "= 2")
 
 
-@pytest.mark.parametrize(("degree", "what"), [("tp", "tensor + sequence parallel"),
-                                               ("pp", "pipeline parallel")])
+@pytest.mark.parametrize(("degree", "what"), [("cp", "context parallel"),
+                                               ("ep", "expert parallel")])
 def test_cli_degree_not_available_yet(capsys, tiny_toml, degree, what):
     result = cli(capsys, str(tiny_toml), "--nproc", "2", "--set", f"parallel.{degree}=2")
     assert_user_error(result, f"parallel.{degree} = 2", what, "not available yet")
@@ -408,3 +408,34 @@ def test_cli_subprocess_unknown_key_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert list(tmp_path.iterdir()) == []  # nothing written, no runs/ folder
+
+
+# --- layouts refused up front (hybrid parallelism) ------------------------------------------------
+@pytest.mark.parametrize(("nproc", "sets", "needles"), [
+    ("3", ["parallel.tp=3", "model.tie_embeddings=false"],
+     ["tp = 3 does not divide model.n_heads = 4", "nearest tp that does is 4"]),
+    ("2", ["parallel.tp=2", "model.tie_embeddings=false", "data.seq_len=31"],
+     ["data.seq_len = 31 is not a multiple of 2", "sequence_parallel = false"]),
+    ("2", ["parallel.tp=2"], ["model.tie_embeddings = false"]),
+    ("4", ["parallel.pp=4", "model.tie_embeddings=false", "batch.global_batch=16"],
+     ["4 pipeline stages", "model.n_layers = 2", "pp <= 2"]),
+    ("2", ["parallel.pp=2", "model.tie_embeddings=false", "batch.global_batch=2"],
+     ["1f1b schedule needs at least pp = 2 micro-batches", "global_batch to 4"]),
+    ("2", ["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_schedule=\"zero-bubble\""],
+     ["places exactly 2 stages per rank", "pp_virtual_stages = 2"]),
+    ("2", ["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_virtual_stages=2",
+           "model.n_layers=4"],
+     ["runs one stage per rank", "interleaved-1f1b"]),
+    ("1", ["parallel.zero=1"], ["parallel.zero = 1", "dp_shard = 1", "nothing to shard"]),
+    ("2", ["parallel.zero=0", "parallel.dp_shard=2"], ["zero = 0 (plain DDP)", "dp_replicate = 2"]),
+    ("4", ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2",
+           "model.tie_embeddings=false"], ["does not compose with tp = 2", "zero = 2 or 3"]),
+    ("2", ["parallel.zero=5"], ["parallel.zero is 5"]),
+    ("2", ["parallel.tp=2", "model.tie_embeddings=false", "run.precision=\"fp16\""],
+     ["fp16 with tensor parallel", "bf16"]),
+])
+def test_cli_refuses_layouts_with_numbers(capsys, tiny_toml, nproc, sets, needles):
+    argv = [str(tiny_toml), "--nproc", nproc]
+    for item in sets:
+        argv += ["--set", item]
+    assert_user_error(cli(capsys, *argv), *needles)

@@ -16,12 +16,16 @@ from shardwise.spec import RunSpec
 
 def _collect(trainer: Trainer) -> dict[str, Any]:
     """Full parameters (rank 0) and the global sample indices this rank reads next."""
-    params = full_model_state(trainer.model)
+    ctx = trainer.ctx
+    pp_group = ctx.mesh["pp"].get_group() if ctx.mesh is not None and ctx.dims.pp > 1 else None
+    params = full_model_state(trainer.model.parts, pp_group)
     return {
         "params": {k: v.detach().clone().float() for k, v in params.items()},
         "next_indices": [idx.tolist() for idx in trainer.train_data.step_indices()],
         "step": trainer.state.step,
         "threads": torch.get_num_threads(),
+        "model_state": trainer.meter.report,
+        "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
     }
 
 

@@ -1,5 +1,5 @@
 """Sharded checkpoints: save/load of Stateful components, staged and renamed when complete."""
 
-from shardwise.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+from shardwise.checkpoint.checkpointer import Checkpointer, ModelState
 
-__all__ = ["Checkpointer", "ModelAndOptimizer"]
+__all__ = ["Checkpointer", "ModelState"]

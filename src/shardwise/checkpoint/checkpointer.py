@@ -29,8 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -41,19 +40,24 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 META = "meta.json"
 
 
-class ModelAndOptimizer(Stateful):
-    """Model + optimizer state in DCP's layout-independent form (FQN keys, sharded tensors)."""
+class ModelState(Stateful):
+    """Model parameters keyed by their fully-qualified names, merged over this rank's parts
+    (pipeline stages keep the whole model's names), as DCP-reshardable (D)Tensors."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        merged: dict[str, Any] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+        for part in self.parts:
+            keys = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {k: state[k] for k in keys},
+                                 options=StateDictOptions(strict=True))
 
 
 class _Plain(Stateful):
@@ -69,10 +73,21 @@ class _Plain(Stateful):
         self.obj.load_state_dict(state)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered to a full CPU tensor on rank 0 (empty elsewhere); collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_model_state(parts: list[nn.Module], pp_group: dist.ProcessGroup | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Every parameter as a full CPU tensor, on every rank; collective. Pipeline stages are
+    merged across `pp_group`. Meant for small models (tests, export)."""
+    options = StateDictOptions(full_state_dict=True)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=options)
+                       .items()})
+    if pp_group is not None:
+        gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, merged, group=pp_group)
+        for other in gathered:
+            merged.update(other)
+    return merged
 
 
 def step_dir_name(step: int) -> str:

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _launch(spec, resume: str | None, print_spec: bool) -> int:
     from shardwise.data import BatchLayout, prepare_data
+    from shardwise.parallel.checks import check_layout
     from shardwise.parallel.dims import ParallelDims
     from shardwise.run import rundir
     from shardwise.run.worker import with_data_hashes
@@ -63,8 +64,10 @@ def _launch(spec, resume: str | None, print_spec: bool) -> int:
 
     nproc = spec.parallel.nproc
     dims = ParallelDims.from_spec(spec.parallel, nproc)  # layout errors before any work
-    BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
-    spec = with_data_hashes(spec, prepare_data(spec.data))
+    layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
+    data = prepare_data(spec.data)
+    check_layout(spec, dims, data.vocab_size, layout.accumulation)
+    spec = with_data_hashes(spec, data)
     if print_spec:
         sys.stdout.write(spec_to_toml(spec))
         return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardwise.spec.runspec import ModelSection
 
@@ -120,8 +121,16 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        # Set by shardwise.parallel.memory: recompute this block's activations in backward.
+        # A flag rather than a wrapper module keeps parameter names (and checkpoints) unchanged.
+        self.activation_checkpoint = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -155,20 +164,26 @@ class GPT(nn.Module):
                 p.normal_(0.0, std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
+        """Logits (batch, seq, vocab) for token ids (batch, seq).
+
+        A pipeline stage is this model with some parts removed (set to None): without
+        `tok_embeddings` it takes hidden states, without `output` it returns them.
+        """
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's "
                              f"seq_len {self.cfg.seq_len}")
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             x = layer(x, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.output(x) if self.output is not None else x
 
     # --- facts the rest of shardwise asks the model for -------------------------------------
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once)."""
         total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
-        if exclude_embeddings:
+        if exclude_embeddings and self.tok_embeddings is not None:
             total -= self.tok_embeddings.weight.numel()
         return total
 

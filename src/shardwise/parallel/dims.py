@@ -15,8 +15,6 @@ from shardwise.spec.runspec import ParallelSection
 
 #: Degrees that exist in the spec but whose parallelism has not landed yet.
 NOT_AVAILABLE_YET = {
-    "tp": "tensor + sequence parallel",
-    "pp": "pipeline parallel",
     "cp": "context parallel (ring attention)",
     "ep": "expert parallel",
 }
@@ -34,6 +32,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    zero: int = 0  # resolved: 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters
 
     @classmethod
     def from_spec(cls, section: ParallelSection, world_size: int) -> ParallelDims:
@@ -49,8 +48,9 @@ class ParallelDims:
                     f"{others} workers (--nproc / parallel.nproc) or change the degrees."
                 )
             dp_shard = world_size // others
+        zero = section.zero if section.zero != -1 else (3 if dp_shard > 1 else 0)
         dims = cls(section.dp_replicate, dp_shard, section.cp, section.tp, section.pp, section.ep,
-                   world_size)
+                   world_size, zero)
         dims.validate()
         return dims
 
@@ -68,9 +68,28 @@ class ParallelDims:
             if degree != 1:
                 raise SpecError(
                     f"parallel.{name} = {degree} asks for {what}, which is not available yet in "
-                    f"this version of shardwise. Set parallel.{name} = 1; the data-parallel "
-                    "layouts available now are DDP (dp_replicate), FSDP (dp_shard) and HSDP (both)."
+                    f"this version of shardwise. Set parallel.{name} = 1; available now: DDP, "
+                    "ZeRO-1/2/3, HSDP, tensor + sequence parallel and pipeline parallel."
                 )
+        if self.zero == 0 and self.dp_shard > 1:
+            raise SpecError(
+                f"parallel.zero = 0 (plain DDP) shards nothing, but dp_shard = {self.dp_shard}. "
+                f"Replicate instead with dp_replicate = {self.dp_replicate * self.dp_shard} and "
+                "dp_shard = 1, or pick zero = 1, 2 or 3 to shard across dp_shard."
+            )
+        if self.zero > 0 and self.dp_shard == 1:
+            raise SpecError(
+                f"parallel.zero = {self.zero} shards state across dp_shard, but dp_shard = 1: "
+                "there is nothing to shard across. Set parallel.dp_shard to the number of ranks "
+                "to shard over (e.g. dp_shard = -1 for all data-parallel ranks), or zero = 0."
+            )
+        if self.zero in (0, 1) and self.dp > 1 and (self.tp > 1 or self.pp > 1):
+            raise SpecError(
+                f"parallel.zero = {self.zero} (DDP{'+ZeRO-1' if self.zero else ''}) over "
+                f"{self.dp} data-parallel ranks does not compose with tp = {self.tp} / pp = "
+                f"{self.pp}: DDP cannot reduce DTensor or per-stage gradients. Use zero = 2 or 3 "
+                "(FSDP2, or HSDP with dp_replicate > 1), which composes with both."
+            )
 
     @property
     def dp(self) -> int:
@@ -82,11 +101,18 @@ class ParallelDims:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def describe(self) -> str:
-        """A short name of the layout, for logs: `fsdp2`, `ddp2`, `hsdp2x2`, `single`."""
+        """A short name of the layout, for logs: `zero3-2`, `ddp2`, `hsdp2x2`, `tp2+pp2`, `single`."""
         if self.world_size == 1:
             return "single"
+        parts = []
         if self.dp_replicate > 1 and self.dp_shard > 1:
-            return f"hsdp{self.dp_replicate}x{self.dp_shard}"
-        if self.dp_shard > 1:
-            return f"fsdp{self.dp_shard}"
-        return f"ddp{self.dp_replicate}"
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"zero{self.zero}-{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        return "+".join(parts)

@@ -1,68 +1,185 @@
-"""parallelize(model, ctx): the ONE place where a layout is applied to a model.
+"""parallelize(model, ctx, spec): the ONE place where a layout is applied to a model.
 
 Order, and why it is fixed:
-  1. pipeline split   — decides which layers this rank holds (not available yet)
-  2. tensor/sequence  — rewrites weights as DTensors on the `tp` axis (not available yet)
-  3. context parallel — swaps attention for ring attention (not available yet)
-  4. expert parallel  — places experts on the `ep` axis (not available yet)
-  5. activation checkpointing, 6. compile — wrap blocks after their weights are final
-  7. data parallel    — FSDP2 / DDP last, because it must see the final parameters (FSDP shards
-     whatever it finds, DDP registers hooks on what exists).
-Degrees of the layers that have not landed are refused by `ParallelDims.validate`.
+  1. pipeline split   — decides which layers this rank holds; everything after works per stage
+  2. tensor/sequence  — rewrites weights as DTensors on the `tp` axis; must see plain modules
+  3. context parallel — (not available yet)
+  4. expert parallel  — (not available yet)
+  5. activation checkpointing — marks whole blocks, after TP has rewritten their insides
+  6. compile          — per block, after AC so the recompute is compiled too
+  7. data parallel    — FSDP2 / DDP last: FSDP shards whatever parameters it finds (TP DTensors
+     become 2-D), DDP registers hooks on the final parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardwise.parallel.distributed import DistContext
+from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile
+from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
+from shardwise.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from shardwise.spec.runspec import RunSpec
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def parallelize(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """Move `model` to the context's device and apply its data-parallel layout."""
-    model = model.to(ctx.device)
-    if ctx.mesh is None:
-        return model
-    dims = ctx.dims
-    if dims.dp_shard > 1:
-        return _apply_fsdp(model, ctx)
-    if dims.dp_replicate > 1:
-        return _apply_ddp(model, ctx)
-    return model
+@dataclass
+class ParallelModel:
+    """The model as this rank holds it: one part, or several pipeline stages, plus how to run it."""
+
+    parts: list[nn.Module]
+    ctx: DistContext
+    precision: str
+    loss_parallel: bool = False
+    pipeline: Pipeline | None = None
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    n_stages: int = 1
+    schedule: str = ""
+    _loss_scale: float = 1.0
+
+    # --- plain module-like helpers -----------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for part in self.parts:
+            for p in part.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def eval(self) -> None:
+        self.train(False)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.ctx.mesh["tp"].get_local_rank() if self.ctx.mesh is not None else 0
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    # --- training ------------------------------------------------------------------------------
+    def forward_backward(self, batches: Sequence[Batch], loss_scale: float) -> torch.Tensor:
+        """Run this rank's micro-batches; return its local sum of token losses (float64).
+
+        `loss_scale` multiplies each micro-batch's loss sum before backward (global-token
+        normalisation, dp mean->sum correction, fp16 loss scaling). Under pipeline parallel the
+        sum is known only on the last stage; other ranks return 0.
+        """
+        self._loss_scale = loss_scale
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        if self.pipeline is not None:
+            inputs = torch.cat([b[0] for b in batches])
+            targets = torch.cat([b[1] for b in batches])
+            with self._autocast():
+                losses = self.pipeline.run(inputs, targets)
+            for loss in losses:
+                total += loss.detach().double()
+            return total / loss_scale
+        model = self.parts[0]
+        for i, (inputs, targets) in enumerate(batches):
+            with _grad_sync(model, enabled=i == len(batches) - 1), loss_context(self.loss_parallel):
+                with self._autocast():
+                    logits = model(inputs)
+                loss_sum = self.token_loss_sum(logits, targets)
+                (loss_sum * loss_scale).backward()
+            total += _local(loss_sum.detach()).double()
+        return total
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """loss_fn of the pipeline schedule: the scaled token-loss sum of one micro-batch."""
+        return self.token_loss_sum(output, target) * self._loss_scale
+
+    @staticmethod
+    def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """fp16 always autocasts; bf16 autocasts unless FSDP already computes in bf16 (its
+        MixedPrecisionPolicy gathers bf16 parameters)."""
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
+        if dtype is None or (self.precision == "bf16" and isinstance(self.parts[0], FSDPModule)):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
+
+    # --- forward only (evaluation, generation) ---------------------------------------------------
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Full logits on ranks that hold the last stage (every rank without pipeline); None on
+        others. A collective: every rank calls it with the same tokens."""
+        with self._autocast():
+            out = self.parts[0](tokens) if self.pipeline is None else self._pipeline_forward(tokens)
+        if isinstance(out, DTensor):
+            out = out.full_tensor()
+        return out
+
+    def _holder(self, stage: int) -> int:
+        """pp rank that holds `stage`."""
+        pp = self.ctx.dims.pp
+        if self.schedule == "zero-bubble":
+            return stage if stage < pp else 2 * pp - 1 - stage
+        return stage % pp
+
+    def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Stage by stage with point-to-point sends: no schedule, so any batch size works."""
+        pp_mesh = self.ctx.mesh["pp"]
+        group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
+        x: torch.Tensor | None = None
+        for stage in range(self.n_stages):
+            if self._holder(stage) != me:
+                continue
+            if stage > 0 and self._holder(stage - 1) != me:
+                x = _recv_tensor(dist.get_global_rank(group, self._holder(stage - 1)), group,
+                                 self.ctx.device)
+            x = self.parts[self.stage_ids.index(stage)](tokens if stage == 0 else x)
+            if stage < self.n_stages - 1 and self._holder(stage + 1) != me:
+                _send_tensor(x, dist.get_global_rank(group, self._holder(stage + 1)), group)
+        return x if self.holds_last_stage else None
 
 
-def _apply_fsdp(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """FSDP2 (ZeRO-3): each transformer block is one all-gather unit, then the root.
-
-    With dp_replicate > 1 the 2-D mesh makes it HSDP: shard within dp_shard, replicate across
-    dp_replicate.
-    """
-    dims = ctx.dims
-    mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleDict | nn.ModuleList):
-        blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-        for i, block in enumerate(blocks):
-            # The last block's parameters are needed again at once by backward: keep them.
-            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh)
-    return model
+def _send_tensor(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    x = x.to_local() if isinstance(x, DTensor) else x
+    header = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
 
 
-def _apply_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
-    group = ctx.mesh["dp_replicate"].get_group()
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True)
+def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    header = torch.zeros(int(n), dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    ndim = int(header[0])
+    shape, dtype = header[1:1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @contextlib.contextmanager
-def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def _grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip gradient communication on accumulation micro-batches; sync on the last one."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
@@ -74,29 +191,63 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under any DDP wrapper (FSDP2 keeps the module itself)."""
-    return model.module if isinstance(model, DDP) else model
+def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
+                accumulation: int) -> ParallelModel:
+    """Apply the layout of `ctx.dims` to `model` (built identically on every rank)."""
+    dims, par = ctx.dims, spec.parallel
+    model = model.to(ctx.device)
+    if ctx.mesh is None:
+        apply_activation_checkpointing(model, spec.memory)
+        if spec.memory.compile:
+            apply_compile(model)
+        return ParallelModel([model], ctx, spec.run.precision)
+
+    # 1. pipeline split
+    ids, n_stages, parts = [0], 1, [model]
+    if dims.pp > 1:
+        n_stages = dims.pp * par.pp_virtual_stages
+        counts = stage_layer_counts(spec.model.n_layers, n_stages)
+        ids = stage_ids(ctx.mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages,
+                        par.pp_schedule)
+        parts = [split_model(model, sid, counts) for sid in ids]
+        del model
+    # 2. tensor + sequence parallel (loss parallel only without pipeline: stage outputs must be
+    #    plain tensors for the schedule)
+    loss_par = dims.tp > 1 and par.loss_parallel and dims.pp == 1
+    if dims.tp > 1:
+        for part in parts:
+            apply_tensor_parallel(part, ctx.mesh["tp"], sequence_parallel=par.sequence_parallel,
+                                  loss_parallel=loss_par)
+    # 5. activation checkpointing, 6. compile
+    for part in parts:
+        apply_activation_checkpointing(part, spec.memory)
+        if spec.memory.compile:
+            apply_compile(part)
+    # 7. data parallel
+    if dims.dp > 1:
+        if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
+            dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
+                else ctx.mesh["dp_shard"]
+            parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision)
+                     for part in parts]
+        else:
+            parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
+    pm = ParallelModel(parts, ctx, spec.run.precision, loss_parallel=loss_par,
+                       stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule)
+    if dims.pp > 1:
+        pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,
+                               ctx.mesh["pp"], ctx.device, pm.pipeline_loss)
+    return pm
 
 
-def dp_loss_scale(ctx: DistContext) -> float:
-    """Factor that turns the data-parallel gradient *mean* back into a *sum*.
-
-    FSDP and DDP divide reduced gradients by the dp degree; our loss is already normalised by the
-    step's global token count, so we pre-multiply by the degree (exact for powers of two).
-    """
-    return float(ctx.dims.dp)
+def unwrap(part: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 keeps the module itself)."""
+    return part.module if isinstance(part, DDP) else part
 
 
-def local_model_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds (a shard under FSDP)."""
+def local_bytes(tensors) -> int:
     total = 0
-    for p in {id(p): p for p in model.parameters()}.values():
-        local = p.to_local() if hasattr(p, "to_local") else p
+    for t in {id(t): t for t in tensors if t is not None}.values():
+        local = t.to_local() if isinstance(t, DTensor) else t
         total += local.numel() * local.element_size()
     return total
-
-
-def as_full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered to its full value; a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,36 +1,37 @@
 """Sample text from the trained model so a person can see what it learned.
 
-Every rank runs the same forward passes (a sharded model needs all ranks to gather its weights);
-rank 0 draws each token and broadcasts it, so all ranks extend the same sequence.
+Every rank runs the same forward passes (sharded weights need every rank); one rank that holds the
+final logits draws each token, and an all-reduce hands it to all, so all extend the same sequence.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from shardwise.parallel.distributed import DistContext
-from shardwise.run.step import autocast
+from shardwise.parallel.parallelize import ParallelModel
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt_ids: list[int], *, new_tokens: int, seq_len: int,
-             temperature: float, top_k: int, seed: int, precision: str,
-             ctx: DistContext) -> list[int]:
-    model.eval()
+def generate(pm: ParallelModel, prompt_ids: list[int], *, new_tokens: int, seq_len: int,
+             temperature: float, top_k: int, seed: int) -> list[int]:
+    pm.eval()
+    ctx = pm.ctx
+    drawer = pm.holds_last_stage and pm.tp_rank == 0 and ctx.dp_rank == 0
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long, device=ctx.device)
+    prompt = prompt_ids or [0]
+    ids = torch.tensor([prompt], dtype=torch.long, device=ctx.device)
     for _ in range(new_tokens):
-        with autocast(precision, ctx.device):
-            logits = model(ids[:, -seq_len:])[0, -1].float().cpu()
-        logits = logits / temperature
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        token = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).to(ctx.device)
+        logits = pm.logits(ids[:, -seq_len:])
+        token = torch.zeros(1, dtype=torch.long)
+        if drawer:
+            last = logits[0, -1].float().cpu() / temperature
+            if top_k:
+                kth = torch.topk(last, min(top_k, last.numel())).values[-1]
+                last = last.masked_fill(last < kth, float("-inf"))
+            token = torch.multinomial(torch.softmax(last, -1), 1, generator=gen)
         if ctx.distributed:
-            dist.broadcast(token, src=0)
-        ids = torch.cat([ids, token.view(1, 1)], dim=1)
-    model.train()
-    return ids[0, len(prompt_ids or [0]):].tolist()
+            dist.all_reduce(token)  # only the drawer's value is non-zero
+        ids = torch.cat([ids, token.to(ctx.device).view(1, 1)], dim=1)
+    pm.train()
+    return ids[0, len(prompt):].tolist()

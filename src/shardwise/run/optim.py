@@ -1,34 +1,103 @@
-"""AdamW, the learning-rate schedule, and gradient clipping on the true global norm.
+"""AdamW per model part, the learning-rate schedule, and clipping on the true global norm.
 
 The schedule is a pure function of the step, so it has no state of its own to checkpoint: resuming
-at step k gives lr(k) exactly.
+at step k gives lr(k) exactly. Optimizer state is saved flattened and keyed by parameter name
+(torch's `flatten_optimizer_state_dict` format), so a checkpoint of any layout loads into any other.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
+from shardwise.parallel.data_parallel import Zero1Optimizer
+from shardwise.parallel.parallelize import ParallelModel, unwrap
 from shardwise.spec.runspec import OptimizerSection
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
-def build_optimizer(model: nn.Module, opt: OptimizerSection,
-                    device: torch.device) -> torch.optim.Optimizer:
+
+def build_adamw(named_params: Sequence[tuple[str, nn.Parameter]], opt: OptimizerSection,
+                device: torch.device) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not norms or 1-D parameters)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    params = [p for _, p in named_params if p.requires_grad]
     impl = opt.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opt.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, **kwargs,
     )
+
+
+class Optimizers:
+    """One optimizer per model part (pipeline stages each own theirs), stepped together."""
+
+    def __init__(self, pm: ParallelModel, opt: OptimizerSection) -> None:
+        self.pm = pm
+        dims = pm.ctx.dims
+        self.zero1 = dims.zero == 1 and dims.dp > 1
+        self.optimizers: list[Any] = []
+        for part in pm.parts:
+            if self.zero1:
+                self.optimizers.append(Zero1Optimizer(
+                    unwrap(part), pm.ctx.mesh["dp_shard"],
+                    lambda named: build_adamw(named, opt, pm.ctx.device)))
+            else:
+                self.optimizers.append(build_adamw(list(part.named_parameters()), opt,
+                                                   pm.ctx.device))
+
+    def set_lr(self, lr: float) -> None:
+        for o in self.optimizers:
+            for group in o.param_groups:
+                group["lr"] = lr
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizers hold (moments, steps, ZeRO-1 master shards)."""
+        out: list[torch.Tensor] = []
+        for o in self.optimizers:
+            inner = o.optimizer if isinstance(o, Zero1Optimizer) else o
+            for state in inner.state.values():
+                out.extend(v for v in state.values() if torch.is_tensor(v))
+            if isinstance(o, Zero1Optimizer):
+                out.extend(o.shards.values())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
+            sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
+                get_optimizer_state_dict(part, o, options=_FLAT)
+            merged.update(sd)
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
+            if isinstance(o, Zero1Optimizer):
+                o.load_state_dict(state)
+            else:
+                set_optimizer_state_dict(part, o, optim_state_dict=state, options=_FLAT)
 
 
 def lr_at(step: int, opt: OptimizerSection, total_steps: int) -> float:
@@ -42,22 +111,32 @@ def lr_at(step: int, opt: OptimizerSection, total_steps: int) -> float:
     return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
+    """L2 norm of every gradient of the whole model, across shards, TP ranks and stages.
 
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Global L2 norm of all gradients (across every shard), clipped to `max_norm` if > 0.
-
-    Under FSDP the gradients are DTensor shards; their norm is a partial value that
-    `full_tensor()` reduces across the mesh, so the norm is the true global one.
+    DTensor gradients (FSDP / TP shards) give a partial norm that `full_tensor()` reduces over
+    their mesh; plain gradients are replicated. Pipeline stages hold disjoint parameters, so their
+    squared norms are summed over the pp axis.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(
-            [p for p in model.parameters() if p.grad is not None], max_norm, total, foreach=True)
-    return float(total)
+    grads = [p.grad for p in pm.parameters() if p.grad is not None]
+    device = pm.ctx.device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if dtensors:
+        sq = sq + torch.nn.utils.get_total_norm(dtensors, foreach=True).full_tensor().float() ** 2
+    if plain:
+        sq = sq + torch.nn.utils.get_total_norm(plain, foreach=True).float() ** 2
+    if pm.ctx.mesh is not None and pm.ctx.dims.pp > 1:
+        dist.all_reduce(sq, group=pm.ctx.mesh["pp"].get_group())
+    return sq.sqrt()
+
+
+def clip_grads(pm: ParallelModel, max_norm: float, total: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total), with the same global `total` on all."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in pm.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else float(coef))

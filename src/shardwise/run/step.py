@@ -1,79 +1,78 @@
-"""One optimizer step: forward/backward over this rank's micro-batches, clip, update.
+"""One optimizer step, and evaluation.
 
 Loss normalisation: each micro-batch contributes (sum of its token losses) / (global target tokens
-of the step), so micro-batching and sharding never change the objective; the data-parallel mean
-of gradients is turned back into a sum by `dp_loss_scale`.
+of the step), so micro-batching and sharding never change the objective. Data-parallel wrappers
+average gradients over the dp degree; multiplying the loss by that degree turns the mean back
+into a sum (exact for powers of two).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from shardwise.data.loader import Batch
-from shardwise.parallel.distributed import DistContext
-from shardwise.parallel.parallelize import dp_loss_scale, grad_sync
-from shardwise.run.optim import clip_grad_norm, set_lr
+from shardwise.parallel.parallelize import ParallelModel
+from shardwise.run.loss_scale import LossScaler
+from shardwise.run.optim import Optimizers, clip_grads, global_grad_norm
 
 
 @dataclass(frozen=True)
 class StepResult:
     step: int  # 1-based number of the step just completed
     loss: float  # global mean token loss of the step
-    grad_norm: float  # global norm before clipping
+    grad_norm: float  # global norm before clipping (after unscaling under fp16)
     lr: float
     tokens: int  # global target tokens of the step
+    skipped: bool = False  # fp16 found inf/NaN: no update was made
+    loss_scale: float = 1.0
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def global_sum(pm: ParallelModel, local: torch.Tensor) -> float:
+    """Sum over data-parallel ranks of a per-rank loss sum that every tp rank and only the
+    last pipeline stage holds: one all-reduce over the world, each value counted once."""
+    if not pm.ctx.distributed:
+        return float(local)
+    counted = pm.holds_last_stage and pm.tp_rank == 0
+    value = local.detach().double().reshape(1) if counted else \
+        torch.zeros(1, dtype=torch.float64, device=pm.ctx.device)
+    dist.all_reduce(value)
+    return float(value)
 
 
-def token_loss_sum(model: nn.Module, batch: Batch, precision: str,
-                   device: torch.device) -> torch.Tensor:
-    inputs, targets = batch
-    with autocast(precision, device):
-        logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch],
-               global_tokens: int, *, step: int, lr: float, grad_clip: float, precision: str,
-               ctx: DistContext) -> StepResult:
-    model.train()
-    set_lr(optimizer, lr)
-    scale = dp_loss_scale(ctx) / global_tokens
-    local_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    for i, batch in enumerate(batches):
-        with grad_sync(model, enabled=i == len(batches) - 1):
-            loss_sum = token_loss_sum(model, batch, precision, ctx.device)
-            (loss_sum * scale).backward()
-        local_sum += loss_sum.detach().double()
-    grad_norm = clip_grad_norm(model, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if ctx.distributed:
-        dist.all_reduce(local_sum, group=ctx.dp_group())
-    return StepResult(step + 1, float(local_sum) / global_tokens, grad_norm, lr, global_tokens)
+def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batch],
+               global_tokens: int, *, step: int, lr: float, grad_clip: float,
+               scaler: LossScaler | None) -> StepResult:
+    pm.train()
+    optimizers.set_lr(lr)
+    loss_scale = pm.ctx.dims.dp / global_tokens * (scaler.scale if scaler else 1.0)
+    local_sum = pm.forward_backward(batches, loss_scale)
+    found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
+    total = global_grad_norm(pm)
+    skipped = False
+    if scaler is not None:
+        current_scale = scaler.scale
+        skipped = scaler.update(found_inf or not bool(torch.isfinite(total)))
+    if not skipped:
+        clip_grads(pm, grad_clip, total)
+        optimizers.step()
+    optimizers.zero_grad()
+    loss = global_sum(pm, local_sum) / global_tokens
+    return StepResult(step + 1, loss, float(total), lr, global_tokens, skipped,
+                      current_scale if scaler else 1.0)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, num_tokens: int, precision: str,
-             ctx: DistContext) -> float:
+def evaluate(pm: ParallelModel, batches: Iterable[Batch], num_tokens: int) -> float:
     """Mean held-out token loss over every rank's share of the evaluation set."""
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    for batch in batches:
-        total += token_loss_sum(model, batch, precision, ctx.device).double()
-    if ctx.distributed:
-        dist.all_reduce(total, group=ctx.dp_group())
-    model.train()
-    return float(total) / num_tokens
+    pm.eval()
+    total = torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
+    for inputs, targets in batches:
+        logits = pm.logits(inputs)
+        if logits is not None:
+            total += pm.token_loss_sum(logits, targets).double()
+    pm.train()
+    return global_sum(pm, total) / num_tokens

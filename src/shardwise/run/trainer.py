@@ -17,13 +17,16 @@ import torch
 import torch.distributed as dist
 
 from shardwise import __version__
-from shardwise.checkpoint import Checkpointer, ModelAndOptimizer
+from shardwise.checkpoint import Checkpointer, ModelState
 from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
 from shardwise.models import build_model
+from shardwise.parallel.accounting import ModelStateMeter
+from shardwise.parallel.checks import check_layout
 from shardwise.parallel.distributed import DistContext
-from shardwise.parallel.parallelize import local_model_bytes, parallelize
+from shardwise.parallel.parallelize import parallelize
 from shardwise.run.generate import generate
-from shardwise.run.optim import build_optimizer, lr_at
+from shardwise.run.loss_scale import LossScaler
+from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
@@ -74,13 +77,16 @@ class Trainer:
                  events: EventLog) -> None:
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
         torch.manual_seed(spec.run.seed)
+        self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
+                                          ctx.dims.dp)
+        check_layout(spec, ctx.dims, data.vocab_size, self.layout.accumulation)
         model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token()
-        self.model = parallelize(model, ctx)
-        self.optimizer = build_optimizer(self.model, spec.optimizer, ctx.device)
-        self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
-                                          ctx.dims.dp)
+        self.model = parallelize(model, ctx, spec, self.layout.accumulation)
+        self.optimizers = Optimizers(self.model, spec.optimizer)
+        self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
+        self.meter = ModelStateMeter(self.model, self.optimizers)
         self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
                                        spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
         self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
@@ -96,11 +102,16 @@ class Trainer:
                  at_end=spec.checkpoint.enabled),
         ]
         self._step_times: list[float] = []
+        self._start_step = 0
+        self._state_logged = False
 
     # --- state -------------------------------------------------------------------------------
     def components(self) -> dict[str, Any]:
-        return {"model_optim": ModelAndOptimizer(self.model, self.optimizer),
-                "train": self.state, "data": self.train_data}
+        components = {"model": ModelState(self.model.parts), "optim": self.optimizers,
+                      "train": self.state, "data": self.train_data}
+        if self.scaler is not None:
+            components["loss_scale"] = self.scaler
+        return components
 
     def resume(self, checkpoint: Path) -> None:
         meta = self.checkpointer.load(checkpoint, self.components())
@@ -117,21 +128,26 @@ class Trainer:
         while self.state.step < self.stop_step:
             t0 = time.perf_counter()
             batches, tokens = self.train_data.next_step()
-            result = train_step(
-                self.model, self.optimizer, batches, tokens, step=self.state.step,
-                lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
-                grad_clip=spec.optimizer.grad_clip, precision=spec.run.precision, ctx=self.ctx)
+            with self.meter.measuring(first=self.state.step == self._start_step):
+                result = train_step(
+                    self.model, self.optimizers, batches, tokens, step=self.state.step,
+                    lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
+                    grad_clip=spec.optimizer.grad_clip, scaler=self.scaler)
             self.state.step = result.step
             self.state.tokens_seen += tokens
             self._step_times.append(time.perf_counter() - t0)
             yield result
 
     def fit(self) -> TrainSummary:
+        self._start_step = self.state.step
         self._emit_start()
         t_start = time.perf_counter()
         for result in self.steps():
             self.summary.losses.append(result.loss)
             self.summary.grad_norms.append(result.grad_norm)
+            if self.meter.report is not None and not self._state_logged:
+                self._state_logged = True
+                self.events.emit("model_state", result.step, **self._gathered_state())
             last = result.step == self.stop_step
             for hook in self.hooks:
                 if hook.due(result.step, last):
@@ -153,10 +169,14 @@ class Trainer:
             world_size=self.ctx.world_size, mesh=self.ctx.dims.mesh_shape,
             device=str(self.ctx.device), threads=torch.get_num_threads(),
             model_params=self.num_params, flops_per_token=self.flops_per_token,
-            accumulation=self.layout.accumulation, tokens_per_step=self.layout.global_batch
-            * self.spec.data.seq_len, param_bytes_per_rank=self._gather_floats(
-                float(local_model_bytes(self.model))),
+            zero=self.ctx.dims.zero, accumulation=self.layout.accumulation,
+            tokens_per_step=self.layout.global_batch * self.spec.data.seq_len,
             unigram_loss=self.data.unigram_val_loss)
+
+    def _gathered_state(self) -> dict[str, Any]:
+        """Per-rank model-state bytes, each a list in rank order (collective)."""
+        return {f"{key}_per_rank": [int(v) for v in self._gather_floats(float(value))]
+                for key, value in self.meter.report.items()}
 
     def _gather_floats(self, value: float) -> list[float]:
         """One value from every rank, in rank order (collective)."""
@@ -174,8 +194,7 @@ class Trainer:
         prompt = tok.encode(self.spec.sample.prompt).ids
         s = self.spec.sample
         ids = generate(self.model, prompt, new_tokens=s.tokens, seq_len=self.spec.data.seq_len,
-                       temperature=s.temperature, top_k=s.top_k, seed=self.spec.run.seed,
-                       precision=self.spec.run.precision, ctx=self.ctx)
+                       temperature=s.temperature, top_k=s.top_k, seed=self.spec.run.seed)
         self.summary.sample_text = s.prompt + tok.decode(ids)
         self.events.emit("sample", self.state.step, text=self.summary.sample_text)
 
@@ -187,16 +206,18 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
     per_rank = trainer._gather_floats(local)
     step_time = max(per_rank)  # the step takes as long as the slowest rank
     remaining = trainer.stop_step - result.step
+    extra = {}
+    if trainer.scaler is not None:
+        extra = {"loss_scale": result.loss_scale, "skipped_steps": trainer.scaler.skipped_steps}
     trainer.events.emit(
-        "step", result.step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+        "step", result.step, **extra, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
         tokens_per_s=result.tokens / step_time, step_time_s=step_time,
         step_time_s_per_rank=per_rank, tokens_seen=trainer.state.tokens_seen,
         eta_s=remaining * statistics.mean(recent))
 
 
 def _eval_hook(trainer: Trainer, result: StepResult) -> None:
-    loss = evaluate(trainer.model, trainer.eval_data, trainer.eval_data.num_tokens,
-                    trainer.spec.run.precision, trainer.ctx)
+    loss = evaluate(trainer.model, trainer.eval_data, trainer.eval_data.num_tokens)
     trainer.summary.val_losses[result.step] = loss
     trainer.events.emit("eval", result.step, val_loss=loss,
                         unigram_loss=trainer.data.unigram_val_loss,

@@ -15,7 +15,9 @@ from typing import Any
 
 from shardwise.errors import SpecError
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+AC_MODES = ("none", "full", "selective")
 SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -180,8 +182,9 @@ class OptimizerSection:
 class ParallelSection:
     """Parallel degrees on one device mesh, and how many local workers `shardwise train` starts.
 
-    `dp_shard = -1` takes whatever ranks the other degrees leave. DDP is `dp_replicate = N`,
-    FSDP (ZeRO-3) is `dp_shard = N`, HSDP is both.
+    `dp_shard = -1` takes whatever ranks the other degrees leave. `zero` says what is sharded
+    along dp_shard: 1 optimizer state, 2 also gradients, 3 also parameters; -1 picks 3 when
+    dp_shard > 1 and 0 (plain DDP over dp_replicate) otherwise.
     """
 
     dp_replicate: int = 1
@@ -190,6 +193,11 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    zero: int = -1
+    sequence_parallel: bool = True  # with tp > 1: norms and residuals sharded along the sequence
+    loss_parallel: bool = True  # with tp > 1: cross entropy on vocabulary-sharded logits
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved-1f1b needs >= 2)
     nproc: int = 2  # local workers when started by `shardwise train` (ignored under torchrun)
     backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
     timeout_s: float = 300.0  # collective timeout: a hang fails after this instead of forever
@@ -198,11 +206,46 @@ class ParallelSection:
         _positive("parallel.dp_replicate", self.dp_replicate)
         if self.dp_shard != -1:
             _positive("parallel.dp_shard", self.dp_shard)
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
             _positive(f"parallel.{name}", getattr(self, name))
+        if self.zero not in (-1, 0, 1, 2, 3):
+            raise SpecError(f"parallel.zero is {self.zero}; choose 0 (DDP), 1 (optimizer state "
+                            "sharded), 2 (+ gradients), 3 (+ parameters), or -1 for automatic.")
+        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _positive("parallel.nproc", self.nproc)
         _choice("parallel.backend", self.backend, BACKENDS)
         _positive("parallel.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    """Trading compute for memory: activation checkpointing and per-block compilation."""
+
+    activation_checkpoint: str = "none"  # full: every block; selective: every `ac_every`-th block
+    ac_every: int = 2
+    compile: bool = False  # torch.compile per block (13-22 s cold compile on CPU: keep it off there)
+
+    def validate(self) -> None:
+        _choice("memory.activation_checkpoint", self.activation_checkpoint, AC_MODES)
+        _positive("memory.ac_every", self.ac_every)
+
+
+@dataclass(frozen=True)
+class LossScaleSection:
+    """Dynamic loss scaling for fp16: grow after `growth_interval` good steps, back off on inf."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 200
+
+    def validate(self) -> None:
+        _positive("loss_scale.init_scale", self.init_scale)
+        if not self.growth_factor > 1.0:
+            raise SpecError(f"loss_scale.growth_factor ({self.growth_factor}) must be above 1.")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise SpecError(f"loss_scale.backoff_factor ({self.backoff_factor}) must be in (0, 1).")
+        _positive("loss_scale.growth_interval", self.growth_interval)
 
 
 @dataclass(frozen=True)
@@ -265,6 +308,8 @@ class RunSpec:
     batch: BatchSection = field(default_factory=BatchSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)

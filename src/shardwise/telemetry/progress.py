@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 class ProgressSink:
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.live = self.console.is_terminal
         self._progress: Progress | None = None
         self.total = total_steps

@@ -1,0 +1,137 @@
+"""The data-parallel family: DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP2) and HSDP.
+
+| zero | parameters | gradients | optimizer state | how                                        |
+|------|------------|-----------|-----------------|--------------------------------------------|
+| 0    | replicated | replicated| replicated      | DDP: bucketed all-reduce during backward   |
+| 1    | replicated | replicated| sharded         | DDP + `Zero1Optimizer` (shard update, all-gather) |
+| 2    | sharded*   | sharded   | sharded         | FSDP2, parameters kept gathered fwd->bwd   |
+| 3    | sharded    | sharded   | sharded         | FSDP2, resharded after forward             |
+(*) gathered for the whole forward/backward; sharded at rest.
+With dp_replicate > 1 and zero >= 2 the mesh is 2-D: HSDP (shard within, replicate across).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str) -> nn.Module:
+    """FSDP2 per transformer block, then the root. bf16 gathers parameters in bf16 and reduces
+    gradients in fp32; fp32 and fp16 (autocast) keep fp32 parameters."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+    for i, block in enumerate(blocks):
+        # ZeRO-2 keeps every block gathered from forward to backward; ZeRO-3 reshards each block
+        # after its forward, except the last, whose parameters backward needs at once.
+        reshard = zero == 3 and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3 and bool(blocks), mp_policy=mp)
+    return model
+
+
+def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup,
+              device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def _local_slice(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's dim-0 chunk of `full`, with DTensor's Shard(0) sizes (ceil, last may be short)."""
+    n, size, rank = full.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-n // size)
+    start = min(rank * chunk, n)
+    return full[start:min(start + chunk, n)]
+
+
+class Zero1Optimizer:
+    """ZeRO-1: each rank keeps fp32 master shards and optimizer state for its dim-0 slice of
+    every parameter; after DDP's all-reduce it updates its slice and all-gathers the parameters.
+
+    Shards are DTensors with Shard(0) on the dp_shard mesh — the same layout as FSDP2 — so the
+    optimizer state in a checkpoint is interchangeable with ZeRO-2/3 and resharded by DCP.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh,
+                 make_optimizer) -> None:
+        self.mesh = mesh
+        self.named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.shards: dict[str, nn.Parameter] = {}
+        for name, p in self.named:
+            local = _local_slice(p.detach(), mesh).clone()
+            self.shards[name] = nn.Parameter(DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()))
+        self.optimizer: torch.optim.Optimizer = make_optimizer(
+            [(name, self.shards[name]) for name, _ in self.named])
+        self.param_groups = self.optimizer.param_groups
+
+    def step(self) -> None:
+        for name, p in self.named:
+            if p.grad is None:
+                continue
+            local = _local_slice(p.grad, self.mesh)
+            self.shards[name].grad = DTensor.from_local(
+                local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        self.optimizer.step()
+        with torch.no_grad():
+            for name, p in self.named:
+                p.copy_(self.shards[name].full_tensor())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for _, p in self.named:
+            p.grad = None
+
+    # Flattened, FQN-keyed state like torch's get_optimizer_state_dict(flatten=True), so that a
+    # checkpoint of any zero stage loads into any other.
+    def state_dict(self) -> dict:
+        if not self.optimizer.state:
+            _init_state(self.optimizer)
+        out: dict = {}
+        by_param = {id(p): name for name, p in self.shards.items()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = by_param[id(p)]
+                for key, value in self.optimizer.state[p].items():
+                    out[f"state.{name}.{key}"] = value
+                for key, value in group.items():
+                    if key != "params":
+                        out[f"param_groups.{name}.{key}"] = value
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        by_param = {id(p): name for name, p in self.shards.items()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = by_param[id(p)]
+                for key in list(self.optimizer.state[p]):
+                    self.optimizer.state[p][key] = state[f"state.{name}.{key}"]
+        with torch.no_grad():  # the master shards follow the (already loaded) model parameters
+            for name, p in self.named:
+                self.shards[name].to_local().copy_(_local_slice(p.detach(), self.mesh))
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create optimizer state (zero moments) so a checkpoint can be loaded into it in place."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    wd = [group["weight_decay"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    optimizer.step()
+    for group, lr, decay in zip(optimizer.param_groups, saved, wd, strict=True):
+        group["lr"], group["weight_decay"] = lr, decay
+        for p in group["params"]:
+            p.grad = None
+            for value in optimizer.state[p].values():
+                if torch.is_tensor(value):
+                    value.zero_()

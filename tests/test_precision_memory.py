@@ -1,0 +1,67 @@
+"""Precision (bf16 mixed precision, fp16 with dynamic loss scaling) and activation
+checkpointing, each against a reference run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_spec
+from distributed import run_ranks
+from workers import train, train_single
+
+
+@pytest.fixture(scope="module")
+def fp32(small_corpus, tmp_path_factory):
+    return train_single(tiny_spec(small_corpus, tmp_path_factory.mktemp("fp32") / "run"))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_the_same_numbers(mode, fp32, small_corpus, tmp_path):
+    spec = tiny_spec(small_corpus, tmp_path / "run",
+                     memory={"activation_checkpoint": mode, "ac_every": 2})
+    result = train_single(spec)
+    assert result["losses"] == fp32["losses"]  # recomputation is bit-identical on one process
+    for name, value in fp32["params"].items():
+        assert torch.equal(result["params"][name], value), name
+
+
+def test_activation_checkpointing_under_fsdp(fp32, small_corpus, tmp_path):
+    spec = tiny_spec(small_corpus, tmp_path / "run", memory={"activation_checkpoint": "full"},
+                     parallel={"dp_shard": 2, "nproc": 2})
+    result = run_ranks(train, 2, spec)[0]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(fp32["losses"]),
+                               rtol=1e-5, atol=0)
+
+
+def test_fp16_tracks_fp32(fp32, small_corpus, tmp_path):
+    result = train_single(tiny_spec(small_corpus, tmp_path / "run", run={"precision": "fp16"}))
+    assert result["loss_scale"]["skipped_steps"] == 0
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(fp32["losses"]),
+                               rtol=1e-2, atol=0)
+
+
+def test_fp16_overflow_backs_off_and_skips(small_corpus, tmp_path):
+    """A loss scale of 2^22 overflows fp16 gradients: those steps are skipped (no update) and
+    the scale halves each time until the gradients fit; training then proceeds."""
+    spec = tiny_spec(small_corpus, tmp_path / "run", run={"precision": "fp16", "steps": 12},
+                     loss_scale={"init_scale": 2.0**22, "growth_interval": 1000})
+    result = train_single(spec)
+    state = result["loss_scale"]
+    skipped = state["skipped_steps"]
+    assert 1 <= skipped < 12
+    assert state["scale"] == 2.0 ** (22 - skipped)
+    assert all(math.isfinite(x) for x in result["losses"])
+    assert result["losses"][-1] < result["losses"][0]
+
+
+def test_bf16_fsdp_tracks_bf16_single(small_corpus, tmp_path):
+    """FSDP gathers bf16 parameters and reduces in fp32; the single process autocasts to bf16."""
+    single = train_single(tiny_spec(small_corpus, tmp_path / "single", run={"precision": "bf16"}))
+    spec = tiny_spec(small_corpus, tmp_path / "run", run={"precision": "bf16"},
+                     parallel={"dp_shard": 2, "nproc": 2})
+    fsdp = run_ranks(train, 2, spec)[0]
+    torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(single["losses"]),
+                               rtol=2e-2, atol=0)
