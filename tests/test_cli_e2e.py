@@ -83,8 +83,29 @@ def test_same_entry_point_under_torchrun(small_corpus, tmp_path):
     assert start["world_size"] == 2 and start["layout"] == "zero3-2"
 
 
+def test_hybrid_layout_through_the_cli(small_corpus, tmp_path):
+    """tp2 x pp2 on 4 workers: trains, evaluates and samples (pipeline forward for generation)."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "hybrid.toml"
+    spec = spec_from_dict(tiny_spec_dict(
+        small_corpus, run_dir, run={"steps": 2}, model={"tie_embeddings": False},
+        parallel={"nproc": 4, "tp": 2, "pp": 2, "dp_shard": 1},
+        sample={"tokens": 6})).validate()
+    config.write_text(spec_to_toml(spec))
+    proc = shardwise("train", str(config), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "sample:" in proc.stdout
+    evs = events(run_dir)
+    start = next(e for e in evs if e["kind"] == "run_start")
+    assert start["layout"] == "tp2+pp2" and start["mesh"]["pp"] == 2 and start["mesh"]["tp"] == 2
+    state = next(e for e in evs if e["kind"] == "model_state")
+    assert len(state["param_bytes_per_rank"]) == 4
+    assert next(e for e in evs if e["kind"] == "eval")["val_loss"] > 0
+
+
 def test_examples_load_and_fit_their_layout():
     from shardwise.data.sampler import BatchLayout
+    from shardwise.parallel.checks import check_layout
     from shardwise.parallel.dims import ParallelDims
     from shardwise.spec import load_spec
 
@@ -93,4 +114,5 @@ def test_examples_load_and_fit_their_layout():
     for path in examples:
         spec = load_spec(path)
         dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
-        BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
+        layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
+        check_layout(spec, dims, spec.data.vocab_size, layout.accumulation)

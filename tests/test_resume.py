@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_spec
 from distributed import run_ranks
-from test_parity import assert_params_close
+from test_parity import assert_model_close, assert_params_close
 from workers import train, train_single
 
 STEPS = 6
@@ -67,3 +67,36 @@ def test_resume_matches_uninterrupted(first, second, uninterrupted, small_corpus
     assert_params_close(part2["params"], reference["params"], rtol=tol)
     assert part2["step"] == STEPS
     assert part2["next_indices"] == reference["next_indices"]
+
+
+HYBRID = {
+    "pp2": (2, {"pp": 2, "dp_shard": 1}),
+    "tp2": (2, {"tp": 2, "dp_shard": 1}),
+    "zero1-2": (2, {"dp_shard": 2, "zero": 1}),
+    "zero3-2": (2, {"dp_shard": 2, "zero": 3}),
+    "single": (1, {}),
+}
+
+
+@pytest.mark.parametrize(("first", "second"), [("pp2", "single"), ("tp2", "single"),
+                                               ("zero1-2", "zero3-2"), ("single", "pp2")])
+def test_resume_at_another_hybrid_layout(first, second, small_corpus, tmp_path):
+    """A checkpoint written by one layout continues under another: the losses of the resumed
+    steps match the uninterrupted single-process run within layout parity (1e-5)."""
+    model = {"tie_embeddings": False}
+    optim = {"lr": 2e-3, "min_lr": 2e-4}
+
+    def spec(run_dir, layout, **run):
+        world, parallel = HYBRID[layout]
+        return tiny_spec(small_corpus, run_dir, model=model, optimizer=optim,
+                         run={"steps": STEPS, **run}, checkpoint={"enabled": True},
+                         parallel={**parallel, "nproc": world}), world
+
+    reference = train_single(spec(tmp_path / "ref", "single")[0])
+    s1, w1 = spec(tmp_path / "run", first, stop_at=3)
+    part1 = _run(s1, w1)
+    s2, w2 = spec(tmp_path / "run", second)
+    part2 = _run(s2, w2, resume=True)
+    torch.testing.assert_close(torch.tensor(part1["losses"] + part2["losses"]),
+                               torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    assert_model_close(part2["params"], reference["params"], rtol=1e-5)

@@ -43,6 +43,7 @@ class ParallelModel:
     ctx: DistContext
     precision: str
     loss_parallel: bool = False
+    sequence_parallel: bool = False
     pipeline: Pipeline | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
     n_stages: int = 1
@@ -233,6 +234,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         else:
             parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
     pm = ParallelModel(parts, ctx, spec.run.precision, loss_parallel=loss_par,
+                       sequence_parallel=dims.tp > 1 and par.sequence_parallel,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule)
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,

@@ -21,11 +21,19 @@ def generate(pm: ParallelModel, prompt_ids: list[int], *, new_tokens: int, seq_l
     gen = torch.Generator(device="cpu").manual_seed(seed)
     prompt = prompt_ids or [0]
     ids = torch.tensor([prompt], dtype=torch.long, device=ctx.device)
+    # Sequence parallel splits the sequence evenly over tp ranks: pad the window on the right to
+    # a multiple of tp. Causal attention keeps the real positions blind to the padding.
+    multiple = pm.ctx.dims.tp if pm.ctx.mesh is not None and pm.sequence_parallel else 1
     for _ in range(new_tokens):
-        logits = pm.logits(ids[:, -seq_len:])
+        window = ids[:, -seq_len:]
+        n = window.shape[1]
+        if n % multiple:
+            pad = torch.zeros(1, multiple - n % multiple, dtype=torch.long, device=ctx.device)
+            window = torch.cat([window, pad], dim=1)
+        logits = pm.logits(window)
         token = torch.zeros(1, dtype=torch.long)
         if drawer:
-            last = logits[0, -1].float().cpu() / temperature
+            last = logits[0, n - 1].float().cpu() / temperature
             if top_k:
                 kth = torch.topk(last, min(top_k, last.numel())).values[-1]
                 last = last.masked_fill(last < kth, float("-inf"))
