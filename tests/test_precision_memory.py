@@ -65,3 +65,13 @@ def test_bf16_fsdp_tracks_bf16_single(small_corpus, tmp_path):
     fsdp = run_ranks(train, 2, spec)[0]
     torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(single["losses"]),
                                rtol=2e-2, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_blocks_match_eager(fp32, small_corpus, tmp_path):
+    """torch.compile per block (memory.compile): same losses as eager within 1e-5. Slow on CPU
+    (a cold compile takes tens of seconds), so outside the default test run: `pytest -m slow`."""
+    result = train_single(tiny_spec(small_corpus, tmp_path / "run", memory={"compile": True}))
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(fp32["losses"]),
+                               rtol=1e-5, atol=0)
