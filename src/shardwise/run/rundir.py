@@ -60,10 +60,13 @@ def resume_checkpoint(run_dir: Path, spec: RunSpec) -> Path:
     step = int(json.loads((checkpoint / META).read_text())["step"])
     stop = spec.run.stop_at or spec.run.steps
     if step >= stop:
+        how = (f"--set run.stop_at=0 to run on to run.steps = {spec.run.steps} (or stop_at=N "
+               f"for some N > {step})") if spec.run.stop_at and spec.run.steps > step else \
+            f"--set run.steps=N for some N > {step}"
         raise UserError(
             f"{run_dir} is already at step {step}, the end of the run (run.steps = "
             f"{spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train further, resume with "
-            f"--set run.steps=N for some N > {step}."
+            f"{how}."
         )
     return checkpoint
 

