@@ -16,8 +16,11 @@ sends/receives and their waits happen outside those calls, so
 
     busy = time inside F, L, B/I, W on this rank;   idle fraction = 1 - busy / step time
 
-where step time is the wall time of the schedule's `step()` (forward + backward of all micro-batches;
-the optimizer is outside it). Theory for p = 2 ranks, m micro-batches, v stages per rank:
+where step time runs from the first rank's entry into the schedule's `step()` to the last rank's
+return from it (forward + backward of all micro-batches; the optimizer is outside it; perf_counter
+is the machine-wide monotonic clock, so the ranks' times compare).
+
+Theory for p = 2 ranks, m micro-batches, v stages per rank:
   gpipe, 1f1b        (p-1) / (m + p-1)
   interleaved-1f1b   (p-1) / (v*m + p-1)          (the bubble divided by v)
   zero-bubble (ZBV)  0 in the ideal case (T_F = T_I = T_W per chunk) — ZB-V fills the warm-up and
@@ -136,7 +139,7 @@ class StageClock:
         out = []
         for t0, t1 in self.steps:
             ops = [(k, s, mb, b - a) for k, s, mb, a, b in self.events if t0 <= a and b <= t1]
-            out.append({"span": t1 - t0, "busy": sum(op[3] for op in ops), "ops": ops})
+            out.append({"t0": t0, "t1": t1, "busy": sum(op[3] for op in ops), "ops": ops})
         return out
 
 
@@ -165,10 +168,9 @@ def _pipeline_rank(rank: int, world: int, plan: list[tuple[str, int, int]],
                             "stage_ids": trainer.model.stage_ids,
                             "steps": clock.step_records()[warmup:], "train_ms": train_ms})
             if rank == 0:
-                idle = [1 - s["busy"] / s["span"] for s in records[-1]["steps"]]
-                print(f"  {schedule:<16} m={m} repeat {repeat + 1}: pipeline step median "
-                      f"{1000 * statistics.median(s['span'] for s in records[-1]['steps']):.0f} ms,"
-                      f" rank-0 idle {statistics.median(idle):.3f}", flush=True)
+                span = statistics.median(s["t1"] - s["t0"] for s in records[-1]["steps"])
+                print(f"  {schedule:<16} m={m} repeat {repeat + 1}: rank-0 pipeline step median "
+                      f"{1000 * span:.0f} ms", flush=True)
             del trainer, clock, it
     return records
 
@@ -229,11 +231,17 @@ def summarize(records: list[dict[str, Any]], specs: dict[tuple[str, int], RunSpe
         n_stages = PP * v
         per_rank = [[r for r in records if r["schedule"] == schedule and r["m"] == m
                      and r["rank"] == k] for k in range(PP)]
-        measured = [[1 - s["busy"] / s["span"] for rec in recs for s in rec["steps"]]
-                    for recs in per_rank]
-        sim_meas, sim_unit = [[] for _ in range(PP)], None
+        measured: list[list[float]] = [[] for _ in range(PP)]
+        sim_meas: list[list[float]] = [[] for _ in range(PP)]
+        spans, sim_unit = [], None
         for rec_pair in zip(*per_rank, strict=True):
             for steps in zip(*(rec["steps"] for rec in rec_pair), strict=True):
+                # one clock for all ranks (perf_counter is CLOCK_MONOTONIC, machine-wide): the
+                # step runs from the first rank's start to the last rank's end
+                span = max(s["t1"] for s in steps) - min(s["t0"] for s in steps)
+                spans.append(1000 * span)
+                for k, s in enumerate(steps):
+                    measured[k].append(1 - s["busy"] / span)
                 seqs = [s["ops"] for s in steps]
                 sim = simulate(seqs, n_stages)
                 if sim is not None:
@@ -250,7 +258,6 @@ def summarize(records: list[dict[str, Any]], specs: dict[tuple[str, int], RunSpe
                     for kind, _, _, dur in s["ops"]:
                         kinds.setdefault(kind, []).append(1000 * dur)
             op_ms.append({k: statistics.median(d) for k, d in sorted(kinds.items())})
-        spans = [1000 * s["span"] for rec in per_rank[0] for s in rec["steps"]]
         train = [t for rec in per_rank[0] for t in rec["train_ms"]]
         rows.append({
             "schedule": schedule, "v": v, "m": m, "theory": theory(schedule, v, m),

@@ -16,10 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch whose results do not change with the layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from shardwise.cli import inspect, train
+    from shardwise.cli import inspect, train, verify
 
     train.add_parser(sub)
     inspect.add_parser(sub)
+    verify.add_parser(sub)
     return parser
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shardwise import __version__
 from shardwise.checkpoint import Checkpointer, ModelState
 from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
+from shardwise.data.ledger import LedgerWriter
 from shardwise.models import build_model
 from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
@@ -108,6 +109,7 @@ class Trainer:
         self._start_step = 0
         self._state_logged = False
         self.lineage: list[dict[str, Any]] = []
+        self.ledger = LedgerWriter(run_dir, ctx.rank)
 
     # --- state -------------------------------------------------------------------------------
     def components(self) -> dict[str, Any]:
@@ -132,6 +134,7 @@ class Trainer:
         spec = self.spec
         while self.state.step < self.stop_step:
             t0 = time.perf_counter()
+            self.ledger.record(self.state.step + 1, self.train_data.step_indices())
             batches, tokens = self.train_data.next_step()
             with self.meter.measuring(first=self.state.step == self._start_step):
                 result = train_step(
@@ -146,6 +149,10 @@ class Trainer:
     def fit(self) -> TrainSummary:
         self._start_step = self.state.step
         self._write_manifest()
+        self.ledger.count_launches()
+        if self.ctx.distributed:  # every rank has read the launch count before rank 0 appends
+            dist.barrier()
+        self.ledger.start_launch(self.state.step, self.ctx.world_size)
         self._emit_start()
         t_start = time.perf_counter()
         for result in self.steps():
@@ -159,6 +166,7 @@ class Trainer:
                 if hook.due(result.step, last):
                     hook.fn(self, result)
         self.summary.final_step = self.state.step
+        self.ledger.close()
         if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
             self._sample()
         self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
