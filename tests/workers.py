@@ -26,6 +26,7 @@ def _collect(trainer: Trainer) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "model_state": trainer.meter.report,
         "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
+        "optim": trainer.optimizers.full_state(),
     }
 
 
@@ -41,5 +42,11 @@ def train(store: Any, spec: RunSpec, resume: bool = False) -> dict[str, Any]:
 
 
 def train_single(spec: RunSpec, resume: bool = False) -> dict[str, Any]:
-    """The single-process reference, in the calling process (no process group)."""
-    return train(None, spec, resume)
+    """The single-process reference, in the calling process (no process group). Restores the
+    process-wide settings a determinism mode changes (threads, deterministic algorithms)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        return train(None, spec, resume)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)

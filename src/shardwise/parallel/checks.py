@@ -48,6 +48,8 @@ def check_layout(spec: RunSpec, dims: ParallelDims, vocab_size: int, accumulatio
     elif par.pp_virtual_stages != 1:
         raise SpecError(f"parallel.pp_virtual_stages = {par.pp_virtual_stages} only applies to "
                         "pipeline parallel (pp > 1). Set it to 1.")
+    if spec.run.determinism == "invariant":
+        _check_invariant(spec, dims, accumulation)
     if spec.run.precision == "fp16" and dims.tp > 1:
         raise SpecError("fp16 with tensor parallel is not supported (loss-scale unscaling of "
                         "DTensor gradients); use run.precision = \"bf16\" or tp = 1.")
@@ -85,3 +87,36 @@ def _check_pipeline(spec: RunSpec, dims: ParallelDims, accumulation: int) -> Non
             f"of pp = {dims.pp}; it is {accumulation}. Use "
             f"global_batch = {spec.batch.micro_batch * dims.dp * dims.pp * max(1, accumulation // dims.pp)}."
         )
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_invariant(spec: RunSpec, dims: ParallelDims, accumulation: int) -> None:
+    """What invariant mode guarantees: identical bits across DDP, ZeRO-1/2/3 and HSDP at any
+    power-of-two data-parallel degree, for fp32 with a fixed micro-batch size."""
+    guarantee = ("determinism = \"invariant\" guarantees identical bits across data-parallel "
+                 "layouts (DDP, ZeRO-1/2/3, HSDP) at power-of-two degrees, in fp32")
+    if dims.tp > 1 or dims.cp > 1 or dims.pp > 1:
+        raise SpecError(
+            f"{guarantee}; tp = {dims.tp}, cp = {dims.cp}, pp = {dims.pp} change the arithmetic "
+            "(a split matmul or softmax, a schedule's own accumulation order), so they cannot be "
+            "bit-invariant. Use determinism = \"fast\" for tolerance-level parity, or "
+            "\"strict\" for the same bits run to run at this layout."
+        )
+    if spec.run.precision != "fp32":
+        raise SpecError(f"{guarantee}; run.precision = {spec.run.precision!r} rounds differently "
+                        "under FSDP (cast parameters) and elsewhere (autocast). Use fp32.")
+    if not _is_power_of_two(dims.dp):
+        raise SpecError(f"{guarantee}; the data-parallel degree is {dims.dp}. Use 1, 2, 4, 8, …")
+    if not _is_power_of_two(accumulation):
+        raise SpecError(
+            f"{guarantee}; the micro-batches per rank per step, global_batch / (micro_batch x "
+            f"dp) = {accumulation}, must be a power of two too, so that the summation tree is the "
+            "same for every degree. Change batch.global_batch or batch.micro_batch."
+        )
+    if dims.dp_shard > 1 and dims.dp_replicate > 2:
+        raise SpecError(f"{guarantee}; HSDP all-reduces across dp_replicate = {dims.dp_replicate} "
+                        "replicas in the backend's order, which is a fixed tree only for 2. Use "
+                        "dp_replicate <= 2 or a larger dp_shard.")

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardwise.parallel.distributed import DistContext
+from shardwise.parallel.invariant import PairwiseAccumulator, install_on_fsdp, tree_reduce_scatter
 from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel, loss_context
@@ -44,6 +45,7 @@ class ParallelModel:
     precision: str
     loss_parallel: bool = False
     sequence_parallel: bool = False
+    invariant: bool = False  # gradients summed in one fixed tree (see parallel/invariant.py)
     pipeline: Pipeline | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
     n_stages: int = 1
@@ -82,6 +84,8 @@ class ParallelModel:
         sum is known only on the last stage; other ranks return 0.
         """
         self._loss_scale = loss_scale
+        if self.invariant:
+            return self._forward_backward_invariant(batches, loss_scale)
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if self.pipeline is not None:
             inputs = torch.cat([b[0] for b in batches])
@@ -99,6 +103,42 @@ class ParallelModel:
                 loss_sum = self.token_loss_sum(logits, targets)
                 (loss_sum * loss_scale).backward()
             total += _local(loss_sum.detach()).double()
+        return total
+
+    def _forward_backward_invariant(self, batches: Sequence[Batch],
+                                    loss_scale: float) -> torch.Tensor:
+        """Round a = this rank's a-th micro-batch (global micro-batch aD + dp_rank): a fresh
+        gradient, tree-reduced over the dp ranks of the round, accumulated pairwise over rounds."""
+        model = self.parts[0]
+        params = [p for p in model.parameters() if p.requires_grad]
+        fsdp = isinstance(model, FSDPModule)
+        group = self.ctx.dp_group() if self.ctx.dims.dp > 1 else None
+        acc = PairwiseAccumulator()
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for inputs, targets in batches:
+            for p in params:
+                p.grad = None
+            if fsdp:  # FSDP reduces every round with the tree reduce-scatter installed on it
+                model.set_requires_gradient_sync(True)
+            loss_sum = self.token_loss_sum(model(inputs), targets)
+            (loss_sum * loss_scale).backward()
+            total += loss_sum.detach().double()
+            if fsdp:
+                acc.push([p.grad for p in params])
+            else:
+                flat = _flatten_grads(params, group.size() if group is not None else 1)
+                acc.push([tree_reduce_scatter(flat, group) if group is not None else flat])
+        reduced = acc.result()
+        if fsdp:
+            for p, g in zip(params, reduced, strict=True):
+                p.grad = g
+        else:
+            shard = reduced[0]
+            full = shard
+            if group is not None:
+                full = shard.new_empty(shard.numel() * group.size())
+                dist.all_gather_into_tensor(full, shard, group=group)
+            _unflatten_grads(params, full)
         return total
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -175,6 +215,22 @@ def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> to
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
+def _flatten_grads(params: list[nn.Parameter], world: int) -> torch.Tensor:
+    """All gradients in one flat buffer (zeros for parameters without one), padded to a multiple
+    of `world` so it splits into equal chunks."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    pad = -flat.numel() % world
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def _unflatten_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -201,7 +257,8 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         apply_activation_checkpointing(model, spec.memory)
         if spec.memory.compile:
             apply_compile(model)
-        return ParallelModel([model], ctx, spec.run.precision)
+        return ParallelModel([model], ctx, spec.run.precision,
+                             invariant=spec.run.determinism == "invariant")
 
     # 1. pipeline split
     ids, n_stages, parts = [0], 1, [model]
@@ -224,17 +281,21 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         apply_activation_checkpointing(part, spec.memory)
         if spec.memory.compile:
             apply_compile(part)
-    # 7. data parallel
+    # 7. data parallel (invariant mode reduces DDP/ZeRO-1 gradients itself, in a fixed tree)
+    invariant = spec.run.determinism == "invariant"
     if dims.dp > 1:
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
                 else ctx.mesh["dp_shard"]
             parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision)
                      for part in parts]
-        else:
+            if invariant:
+                for part in parts:
+                    install_on_fsdp(part)
+        elif not invariant:
             parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
     pm = ParallelModel(parts, ctx, spec.run.precision, loss_parallel=loss_par,
-                       sequence_parallel=dims.tp > 1 and par.sequence_parallel,
+                       sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule)
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,

@@ -92,6 +92,20 @@ class Optimizers:
             merged.update(sd)
         return merged
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every optimizer state tensor gathered to its full value on every rank, keyed
+        `state.<param>.<name>` (collective; for tests and verification of small models)."""
+        full: dict[str, torch.Tensor] = {}
+        options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
+            sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
+                get_optimizer_state_dict(part, o, options=options)
+            for key, value in sd.items():
+                if key.startswith("state.") and torch.is_tensor(value):
+                    value = value.full_tensor() if isinstance(value, DTensor) else value
+                    full[key] = value.detach().cpu().clone()
+        return full
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, o in zip(self.pm.parts, self.optimizers, strict=True):
             if isinstance(o, Zero1Optimizer):

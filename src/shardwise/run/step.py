@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.data.loader import Batch
+from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.optim import Optimizers, clip_grads, global_grad_norm
@@ -48,10 +49,12 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
                scaler: LossScaler | None) -> StepResult:
     pm.train()
     optimizers.set_lr(lr)
-    loss_scale = pm.ctx.dims.dp / global_tokens * (scaler.scale if scaler else 1.0)
+    # Backend reductions average over dp; invariant mode sums itself, so no correction there.
+    dp_correction = 1 if pm.invariant else pm.ctx.dims.dp
+    loss_scale = dp_correction / global_tokens * (scaler.scale if scaler else 1.0)
     local_sum = pm.forward_backward(batches, loss_scale)
     found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
-    total = global_grad_norm(pm)
+    total = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
     skipped = False
     if scaler is not None:
         current_scale = scaler.scale

@@ -81,6 +81,10 @@ class Trainer:
                  events: EventLog) -> None:
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
         torch.manual_seed(spec.run.seed)
+        if spec.run.determinism != "fast":
+            torch.use_deterministic_algorithms(True)
+        if spec.run.determinism == "invariant":
+            torch.set_num_threads(1)  # the bits of a matmul depend on the thread count
         self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
                                           ctx.dims.dp)
         check_layout(spec, ctx.dims, data.vocab_size, self.layout.accumulation)

@@ -18,6 +18,7 @@ from shardwise.errors import SpecError
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 AC_MODES = ("none", "full", "selective")
+DETERMINISM = ("fast", "invariant", "strict")
 SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -34,9 +35,13 @@ class RunSection:
     steps: int = 500  # total optimizer steps; the LR schedule spans exactly these
     stop_at: int = 0  # stop (with a checkpoint) after this step; 0 = run all `steps`
     precision: str = "fp32"
+    # fast: the backend's collectives. strict: same layout -> same bits run to run
+    # (deterministic kernels). invariant: same bits whatever the data-parallel degree and sharding.
+    determinism: str = "fast"
 
     def validate(self) -> None:
         _at_least("run.seed", self.seed, 0)
+        _choice("run.determinism", self.determinism, DETERMINISM)
         _positive("run.steps", self.steps)
         _at_least("run.stop_at", self.stop_at, 0)
         if self.stop_at > self.steps:
