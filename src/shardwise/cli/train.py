@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from shardwise.errors import UserError
+from shardwise.spec.runspec import RunSpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,20 +55,12 @@ def run(args: argparse.Namespace) -> int:
     return _launch(spec, args.resume, args.print_spec)
 
 
-def _launch(spec, resume: str | None, print_spec: bool) -> int:
-    from shardwise.data import BatchLayout, prepare_data
-    from shardwise.parallel.checks import check_layout
-    from shardwise.parallel.dims import ParallelDims
+def _launch(spec: RunSpec, resume: str | None, print_spec: bool) -> int:
     from shardwise.run import rundir
-    from shardwise.run.worker import with_data_hashes
+    from shardwise.run.launch import WorkersFailed, preflight, run_local
     from shardwise.spec import spec_to_toml
 
-    nproc = spec.parallel.nproc
-    dims = ParallelDims.from_spec(spec.parallel, nproc)  # layout errors before any work
-    layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
-    data = prepare_data(spec.data)
-    check_layout(spec, dims, data.vocab_size, layout.accumulation)
-    spec = with_data_hashes(spec, data)
+    spec, dims = preflight(spec)
     if print_spec:
         sys.stdout.write(spec_to_toml(spec))
         return 0
@@ -77,24 +70,17 @@ def _launch(spec, resume: str | None, print_spec: bool) -> int:
     else:
         run_dir = rundir.new_run_dir(spec)
     rundir.write_spec(run_dir, spec)
+    nproc = spec.parallel.nproc
     print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
           f"{'s' if nproc > 1 else ''})", file=sys.stderr)
-    if nproc == 1:
-        from shardwise.run.worker import run_worker
+    try:
+        run_local(spec, run_dir, resume is not None)
+    except WorkersFailed as err:
+        from shardwise.cli.main import print_error
 
-        summary = run_worker(spec, run_dir, resume=resume is not None)
-    else:
-        from shardwise.run.launch import WorkersFailed, launch_local
-
-        try:
-            launch_local(run_dir, nproc, resume is not None)
-        except WorkersFailed as err:
-            from shardwise.cli.main import print_error
-
-            print_error(str(err))
-            return err.exit_code
-        summary = None
-    _print_summary(run_dir, summary)
+        print_error(str(err))
+        return err.exit_code
+    _print_summary(run_dir)
     return 0
 
 

@@ -15,6 +15,9 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardwise.parallel.dims import ParallelDims
+from shardwise.spec.runspec import RunSpec
+
 #: Workers started by `launch_local` write user errors here instead of printing them N times.
 ERRORS_DIR = ".worker-errors"
 
@@ -27,7 +30,8 @@ class WorkersFailed(Exception):
         self.exit_code = exit_code
 
 
-def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0) -> None:
+def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
+                 worker_args: tuple[str, ...] = ()) -> None:
     """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # Our own message below names the failed ranks; the agent's log lines would repeat it.
@@ -37,7 +41,8 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0)
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.1,
     )
-    args = ["-m", "shardwise.run.worker", str(run_dir)] + (["--resume"] if resume else [])
+    args = ["-m", "shardwise.run.worker", str(run_dir), *(["--resume"] if resume else []),
+            *worker_args]
     errors = run_dir / ERRORS_DIR
     shutil.rmtree(errors, ignore_errors=True)
     try:
@@ -55,3 +60,29 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0)
             f"{run_dir}`.", 1) from None
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
+    """Every check that needs no worker, before any worker starts: layout against the world size,
+    batch against the data-parallel degree, layout against the model; the data is prepared once
+    here and its hashes are pinned into the returned spec."""
+    from shardwise.data import BatchLayout, prepare_data
+    from shardwise.parallel.checks import check_layout
+    from shardwise.run.worker import with_data_hashes
+
+    dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
+    layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
+    data = prepare_data(spec.data)
+    check_layout(spec, dims, data.vocab_size, layout.accumulation)
+    return with_data_hashes(spec, data), dims
+
+
+def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = False) -> None:
+    """Train `spec` in RUN_DIR on `parallel.nproc` local workers (in this process when 1)."""
+    if spec.parallel.nproc == 1:
+        from shardwise.run.worker import dump_final_state, run_worker
+
+        run_worker(spec, run_dir, resume=resume, after_fit=dump_final_state if dump_state else None)
+    else:
+        launch_local(run_dir, spec.parallel.nproc, resume,
+                     worker_args=("--dump-state",) if dump_state else ())

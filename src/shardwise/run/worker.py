@@ -128,16 +128,40 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
     return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
 
 
+FINAL_STATE = "final_state.pt"
+
+
+def dump_final_state(trainer: Trainer) -> None:
+    """Rank 0 saves every parameter and optimizer-state tensor, gathered to full tensors, to
+    RUN_DIR/final_state.pt (collective; for `shardwise verify` on small models)."""
+    from shardwise.checkpoint.checkpointer import full_model_state
+
+    ctx = trainer.ctx
+    pp_group = ctx.mesh["pp"].get_group() if ctx.mesh is not None and ctx.dims.pp > 1 else None
+    params = full_model_state(trainer.model.parts, pp_group)
+    optim = trainer.optimizers.full_state()
+    if pp_group is not None:
+        gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, optim, group=pp_group)
+        for other in gathered:
+            optim.update(other)
+    if ctx.is_main:
+        torch.save({"params": params, "optim": optim}, trainer.run_dir / FINAL_STATE)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m shardwise.run.worker RUN_DIR [--resume]`, as started by `shardwise train`."""
     parser = argparse.ArgumentParser(prog="shardwise-worker")
     parser.add_argument("run_dir")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--dump-state", action="store_true",
+                        help="save the full final parameters and optimizer state (verify)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
         spec = rundir.load_run_spec(run_dir, [])
-        run_worker(spec, run_dir, resume=args.resume)
+        run_worker(spec, run_dir, resume=args.resume,
+                   after_fit=dump_final_state if args.dump_state else None)
     except UserError as err:
         # The launcher prints it once for all ranks (every rank usually hits the same error).
         (run_dir / ERRORS_DIR).mkdir(exist_ok=True)

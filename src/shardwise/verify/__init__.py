@@ -1,0 +1,1 @@
+"""Verification: layout parity runs, restart checks, ledger audits."""

@@ -1,0 +1,112 @@
+"""`shardwise verify`: run one job under several layouts (and a stop-and-resume), compare each with
+the first layout, and say whether every difference is within the stated tolerance.
+
+Each layout trains in its own run directory through the same launcher as `shardwise train`; the
+comparison reads what the runs wrote: per-step losses from metrics.jsonl, the full final
+parameters and optimizer state (saved by the workers with --dump-state), and the sample ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.data.ledger import audit
+from shardwise.run import rundir
+from shardwise.run.launch import preflight, run_local
+from shardwise.run.worker import FINAL_STATE
+from shardwise.spec import RunSpec, load_spec
+from shardwise.verify.layouts import Layout
+
+
+@dataclass
+class RunOutcome:
+    name: str
+    run_dir: Path
+    seconds: float
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]
+    ledger_exact: bool
+    ledger_problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    name: str
+    max_abs_dloss: float
+    max_rel_dloss: float
+    max_abs_dparam: float
+    rel_dparam: float  # ||Δ|| / ||ref|| over all parameters together
+    bitwise: bool
+    seconds: float
+    ledger_exact: bool
+    passed: bool
+
+
+def layout_spec(config: str | None, overrides: list[str], layout: Layout, run_dir: Path,
+                steps: int, stop_at: int = 0) -> RunSpec:
+    fixed = [f"run.steps={steps}", f"run.stop_at={stop_at}", f'run.dir="{run_dir}"',
+             "log.every=1", "log.progress=false", "log.tensorboard=false", "sample.tokens=0",
+             "eval.every=0", f"checkpoint.enabled={'true' if stop_at else 'false'}",
+             "checkpoint.every=0"]
+    return load_spec(config, [*overrides, *layout.overrides(), *fixed])
+
+
+def run_layout(name: str, spec: RunSpec, run_dir: Path, resume: bool = False) -> RunOutcome:
+    spec, _ = preflight(spec)
+    if not resume:
+        rundir.new_run_dir(spec)
+    rundir.write_spec(run_dir, spec)
+    t0 = time.perf_counter()
+    run_local(spec, run_dir, resume, dump_state=True)
+    seconds = time.perf_counter() - t0
+    return read_outcome(name, run_dir, seconds)
+
+
+def read_outcome(name: str, run_dir: Path, seconds: float) -> RunOutcome:
+    losses: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event["kind"] == "step":
+            losses[event["step"]] = event["loss"]  # a resumed run re-logs nothing before it
+    state = torch.load(run_dir / FINAL_STATE, weights_only=True)
+    report = audit(run_dir)
+    return RunOutcome(name, run_dir, seconds, [losses[s] for s in sorted(losses)],
+                      state["params"], state["optim"], report.exact, report.problems)
+
+
+def compare(ref: RunOutcome, run: RunOutcome, rtol: float, bitwise_required: bool) -> Comparison:
+    if len(ref.losses) != len(run.losses) or ref.params.keys() != run.params.keys():
+        return Comparison(run.name, float("inf"), float("inf"), float("inf"), float("inf"),
+                          False, run.seconds, run.ledger_exact, False)
+    dl = [abs(a - b) for a, b in zip(ref.losses, run.losses, strict=True)]
+    rl = [d / abs(a) if a else d for d, a in zip(dl, ref.losses, strict=True)]
+    diff_sq = sum(float((run.params[k].double() - ref.params[k].double()).pow(2).sum())
+                  for k in ref.params)
+    ref_sq = sum(float(ref.params[k].double().pow(2).sum()) for k in ref.params)
+    max_abs = max(float((run.params[k] - ref.params[k]).abs().max()) for k in ref.params)
+    bitwise = (ref.losses == run.losses
+               and all(torch.equal(ref.params[k], run.params[k]) for k in ref.params)
+               and ref.optim.keys() == run.optim.keys()
+               and all(torch.equal(ref.optim[k], run.optim[k]) for k in ref.optim))
+    rel_param = (diff_sq / ref_sq) ** 0.5 if ref_sq else diff_sq ** 0.5
+    within = bitwise if bitwise_required else (max(rl) <= rtol and rel_param <= rtol)
+    return Comparison(run.name, max(dl), max(rl), max_abs, rel_param, bitwise, run.seconds,
+                      run.ledger_exact, within and run.ledger_exact)
+
+
+def format_table(rows: list[Comparison], reference: str) -> str:
+    header = (f"{'layout':<24} {'max|Δloss|':>11} {'max|Δparam|':>12} {'‖Δparam‖/‖p‖':>13} "
+              f"{'bitwise':>8} {'ledger':>7} {'time s':>7}  result")
+    lines = [f"reference: {reference}", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.name:<24} {r.max_abs_dloss:>11.3e} {r.max_abs_dparam:>12.3e} "
+                     f"{r.rel_dparam:>13.3e} {'yes' if r.bitwise else 'no':>8} "
+                     f"{'exact' if r.ledger_exact else 'BAD':>7} {r.seconds:>7.1f}  "
+                     f"{'ok' if r.passed else 'FAIL'}")
+    return "\n".join(lines)
