@@ -79,3 +79,14 @@ def test_fast_mode_is_not_bitwise_invariant(reference, small_corpus, tmp_path):
     assert state_sha256(fast) != state_sha256(reference)
     torch.testing.assert_close(torch.tensor(fast["losses"]), torch.tensor(reference["losses"]),
                                rtol=1e-5, atol=0)
+
+
+def test_strict_repeats_the_same_bits_at_one_layout(small_corpus, tmp_path):
+    world, parallel = LAYOUTS["zero3-2"]
+    results = []
+    for name in ("a", "b"):
+        spec = tiny_spec(small_corpus, tmp_path / name, run={"steps": 3, "determinism": "strict"},
+                         parallel={**parallel, "nproc": world})
+        results.append(run_ranks(train, world, spec)[0])
+    assert results[0]["losses"] == results[1]["losses"]
+    assert state_sha256(results[0]) == state_sha256(results[1])

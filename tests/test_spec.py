@@ -433,6 +433,15 @@ def test_cli_subprocess_unknown_key_exits_2(tmp_path):
     ("2", ["parallel.zero=5"], ["parallel.zero is 5"]),
     ("2", ["parallel.tp=2", "model.tie_embeddings=false", "run.precision=\"fp16\""],
      ["fp16 with tensor parallel", "bf16"]),
+    ("2", ["run.determinism=\"invariant\"", "parallel.tp=2", "model.tie_embeddings=false"],
+     ["guarantees identical bits across data-parallel layouts", "tp = 2",
+      "determinism = \"fast\""]),
+    ("3", ["run.determinism=\"invariant\"", "batch.global_batch=12"],
+     ["data-parallel degree is 3", "1, 2, 4, 8"]),
+    ("2", ["run.determinism=\"invariant\"", "batch.global_batch=12"],
+     ["global_batch / (micro_batch x dp) = 3", "power of two"]),
+    ("2", ["run.determinism=\"invariant\"", "run.precision=\"bf16\""], ["Use fp32"]),
+    ("1", ["run.determinism=\"sometimes\""], ["run.determinism is 'sometimes'"]),
 ])
 def test_cli_refuses_layouts_with_numbers(capsys, tiny_toml, nproc, sets, needles):
     argv = [str(tiny_toml), "--nproc", nproc]

@@ -84,7 +84,7 @@ def _launch(spec: RunSpec, resume: str | None, print_spec: bool) -> int:
     return 0
 
 
-def _print_summary(run_dir: Path, summary) -> None:
+def _print_summary(run_dir: Path) -> None:
     """Read the run's own events back, so the summary is the same however it was launched."""
     end = None
     metrics = run_dir / "metrics.jsonl"
