@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def pairwise_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -90,25 +90,43 @@ def invariant_grad_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """Global L2 norm with a fixed summation order: per parameter (in the given order), the sum of
     squares of each dim-0 row, gathered to the full row vector, then one pairwise sum over all
     rows. Shards split parameters only between rows, so every layout sums the same numbers in
-    the same order."""
-    rows: list[torch.Tensor] = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            local = g.to_local()
-            sums = local.float().pow(2).reshape(local.shape[0], -1).sum(1) if local.numel() else \
-                torch.zeros(local.shape[0], dtype=torch.float32, device=local.device)
-            # FSDP shards along dim 0, so the row sums carry the gradient's own placements
-            sums = DTensor.from_local(sums, g.device_mesh, g.placements, run_check=False,
-                                      shape=(g.shape[0],), stride=(1,)).full_tensor()
-        else:
-            sums = g.float().pow(2).reshape(g.shape[0] if g.ndim else 1, -1).sum(1)
-        rows.append(sums)
-    if not rows:
+    the same order. The row sums of all sharded parameters travel in one all-gather."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros(())
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    gathered = iter(_gather_row_sums(sharded) if sharded else [])
+    rows = [next(gathered) if isinstance(g, DTensor) else _row_sums(g) for g in grads]
     return _pairwise_vector_sum(torch.cat(rows)).sqrt()
+
+
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    rows = t.shape[0] if t.ndim else 1
+    if t.numel() == 0:
+        return torch.zeros(rows, dtype=torch.float32, device=t.device)
+    return t.float().pow(2).reshape(rows, -1).sum(1)
+
+
+def _gather_row_sums(grads: list[DTensor]) -> list[torch.Tensor]:
+    """Full per-row sums of squares of dim-0-sharded gradients (FSDP / HSDP), in one all-gather
+    over the shard axis: each rank pads its rows of every parameter to ceil(rows / D)."""
+    mesh = grads[0].device_mesh
+    axis = next(i for i, pl in enumerate(grads[0].placements) if isinstance(pl, Shard))
+    group = mesh.get_group(axis)
+    world = mesh.size(axis)
+    chunks = [-(-g.shape[0] // world) for g in grads]
+    local = torch.cat([torch.cat([_row_sums(g.to_local()),
+                                  torch.zeros(c - g.to_local().shape[0] if g.to_local().ndim else
+                                              c - 1)])
+                       for g, c in zip(grads, chunks, strict=True)])
+    out = local.new_empty(world * local.numel())
+    dist.all_gather_into_tensor(out, local, group=group)
+    table = out.view(world, -1)
+    result, offset = [], 0
+    for g, c in zip(grads, chunks, strict=True):
+        result.append(table[:, offset:offset + c].reshape(-1)[: g.shape[0]])
+        offset += c
+    return result
 
 
 def _pairwise_vector_sum(v: torch.Tensor) -> torch.Tensor:
