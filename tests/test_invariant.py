@@ -16,6 +16,7 @@ LAYOUTS = {
     "dp1": (1, {}),
     "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
     "zero1-2": (2, {"dp_shard": 2, "zero": 1}),
+    "zero2-2": (2, {"dp_shard": 2, "zero": 2}),
     "zero3-2": (2, {"dp_shard": 2, "zero": 3}),
     "zero3-4": (4, {"dp_shard": 4, "zero": 3}),
     "hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
