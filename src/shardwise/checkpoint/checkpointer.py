@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shardwise.checkpoint.integrity import META, Verdict, hash_files, sizes_match, verify
 from shardwise.errors import UserError
 from shardwise.utils.files import atomic_write_text
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
-META = "meta.json"
 
 
 class ModelState(Stateful):
@@ -95,10 +95,13 @@ def step_dir_name(step: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, rank: int, distributed: bool) -> None:
+    def __init__(self, root: Path, rank: int, distributed: bool, keep_last: int = 0,
+                 keep_every: int = 0) -> None:
         self.root = root
         self.rank = rank
         self.distributed = distributed
+        self.world = dist.get_world_size() if distributed else 1
+        self.keep_last, self.keep_every = keep_last, keep_every
 
     def _barrier(self) -> None:
         if self.distributed:
@@ -119,27 +122,57 @@ class Checkpointer:
         with _quiet_single_process(self.distributed):
             dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
         (staging / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
-        self._barrier()
+        _save_synced(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
             for path in attach:
                 shutil.copy2(path, staging / path.name)
-            meta = {**meta, "step": step, "save_seconds": round(time.perf_counter() - t0, 4)}
+        self._barrier()
+        files = hash_files(staging, self.rank, self.world, self.distributed)
+        if self.rank == 0:
+            meta = {**meta, "step": step, "save_seconds": round(time.perf_counter() - t0, 4),
+                    "files": files}
+            # meta.json last: a directory without it is never loaded
             atomic_write_text(staging / META, json.dumps(meta, indent=2, sort_keys=True))
             if final.exists():  # the same step saved again (e.g. stop_at == a cadence step)
                 shutil.rmtree(final)
             os.replace(staging, final)
             _fsync_dir(self.root)
+            self._prune(step)
         self._barrier()
         return final
 
-    def latest(self) -> Path | None:
-        """Newest complete checkpoint, or None."""
+    def _prune(self, newest: int) -> None:
+        """Retention: keep the last `keep_last` checkpoints and every `keep_every`-th step."""
+        if self.keep_last <= 0:
+            return
+        steps = sorted(int(p.name.split("-")[1]) for p in self.root.iterdir()
+                       if _STEP_DIR.match(p.name))
+        keep = set(steps[-self.keep_last:]) | {newest}
+        for step in steps:
+            if step not in keep and not (self.keep_every and step % self.keep_every == 0):
+                shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+
+    def candidates(self) -> list[Path]:
+        """Checkpoint directories named step-NNNNNN, newest first (complete or not)."""
         if not self.root.is_dir():
-            return None
-        complete = [p for p in self.root.iterdir()
-                    if _STEP_DIR.match(p.name) and (p / META).is_file()]
-        return max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
+            return []
+        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+    def find_valid(self) -> tuple[Path | None, list[Verdict]]:
+        """The newest checkpoint whose every file matches its recorded size and SHA-256, and the
+        verdicts of the newer ones that did not (collective: ranks hash in parallel)."""
+        rejected: list[Verdict] = []
+        for path in self.candidates():
+            verdict = verify(path, self.rank, self.world, self.distributed)
+            if verdict.valid:
+                return path, rejected
+            rejected.append(verdict)
+        return None, rejected
+
+    def latest(self) -> Path | None:
+        """Newest checkpoint whose meta.json lists files of the right sizes (no hashing)."""
+        return next((p for p in self.candidates() if sizes_match(p)), None)
 
     def load(self, path: Path, components: dict[str, Any]) -> dict[str, Any]:
         """Restore every component from `path` in place; return its meta."""
@@ -154,6 +187,13 @@ class Checkpointer:
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
         return json.loads(meta_path.read_text())
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with path.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager

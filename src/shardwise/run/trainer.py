@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from shardwise import __version__
 from shardwise.checkpoint import Checkpointer, ModelState
 from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
+from shardwise.errors import UserError
 from shardwise.models import build_model
 from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
@@ -100,7 +102,8 @@ class Trainer:
         self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
                                      spec.eval.batches, ctx.dp_rank, ctx.device)
         self.state = TrainState()
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", ctx.rank, ctx.distributed)
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", ctx.rank, ctx.distributed,
+                                         spec.checkpoint.keep_last, spec.checkpoint.keep_every)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
         self.hooks = [
@@ -122,6 +125,35 @@ class Trainer:
         if self.scaler is not None:
             components["loss_scale"] = self.scaler
         return components
+
+    def resume_latest(self) -> None:
+        """Resume from the newest checkpoint whose files all verify; name every newer one that
+        did not, and why (collective: ranks hash their share of the files in parallel)."""
+        checkpoint, rejected = self.checkpointer.find_valid()
+        if self.ctx.is_main:
+            for stale in sorted(self.checkpointer.root.glob("step-*.staging")):
+                print(f"warning: ignoring {stale}: an interrupted save that was never committed "
+                      "(it is left in place; the next save of that step replaces it)",
+                      file=sys.stderr)
+        for verdict in rejected:
+            self.events.emit("checkpoint_rejected", self.state.step, path=str(verdict.path),
+                             problems=list(verdict.problems))
+        if checkpoint is None:
+            details = "; ".join(f"{v.path.name}: {', '.join(v.problems)}" for v in rejected)
+            raise UserError(f"no valid checkpoint to resume in {self.checkpointer.root}"
+                            f"{': ' + details if details else ''}. Start a fresh run, or restore "
+                            "the damaged files from a copy.")
+        if rejected and self.ctx.is_main:
+            for verdict in rejected:
+                print(f"warning: skipping checkpoint {verdict.path.name}: "
+                      f"{'; '.join(verdict.problems)}", file=sys.stderr)
+            print(f"warning: resuming from {checkpoint.name}, the newest checkpoint that "
+                  "verifies", file=sys.stderr)
+        self.resume(checkpoint)
+        if self.state.step >= self.stop_step:
+            raise UserError(f"{self.run_dir} is already at step {self.state.step}, the end of the "
+                            f"run (run.steps = {self.spec.run.steps}, run.stop_at = "
+                            f"{self.spec.run.stop_at}). Resume with a larger run.steps.")
 
     def resume(self, checkpoint: Path) -> None:
         meta = self.checkpointer.load(checkpoint, self.components())

@@ -56,7 +56,7 @@ def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, resume: bool, ui: boo
     try:
         trainer = Trainer(spec, ctx, run_dir, data, events)
         if resume:
-            trainer.resume(rundir.resume_checkpoint(run_dir, spec))
+            trainer.resume_latest()
         summary = trainer.fit()
         if after_fit is not None:
             summary.extra = after_fit(trainer)

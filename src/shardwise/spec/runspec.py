@@ -271,9 +271,13 @@ class CheckpointSection:
 
     every: int = 0  # 0 -> only at the end of the run
     enabled: bool = True
+    keep_last: int = 3  # retention: the newest N checkpoints (0 keeps all) ...
+    keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this (0: none)
 
     def validate(self) -> None:
         _at_least("checkpoint.every", self.every, 0)
+        _at_least("checkpoint.keep_last", self.keep_last, 0)
+        _at_least("checkpoint.keep_every", self.keep_every, 0)
 
 
 @dataclass(frozen=True)
