@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ class Checkpointer:
             dist.barrier()
 
     def save(self, step: int, components: dict[str, Any], meta: dict[str, Any],
-             attach: tuple[Path, ...] = ()) -> Path:
+             attach: tuple[Path, ...] = (), on_written: Callable[[], None] | None = None) -> Path:
         """Write a complete checkpoint for `step` (collective: every rank calls it). Files in
         `attach` (the run manifest) are copied in by rank 0 before the checkpoint is committed."""
         final = self.root / step_dir_name(step)
@@ -123,6 +123,8 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
         (staging / "rng").mkdir(exist_ok=True)
         _save_synced(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
+        if on_written is not None:  # shards written, nothing committed yet (fault drills)
+            on_written()
         if self.rank == 0:
             for path in attach:
                 shutil.copy2(path, staging / path.name)

@@ -14,7 +14,7 @@ Order, and why it is fixed:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,7 @@ class ParallelModel:
     stage_ids: list[int] = field(default_factory=lambda: [0])
     n_stages: int = 1
     schedule: str = ""
+    phase_hook: Callable[[str], None] | None = None  # told "forward"/"backward" (fault drills)
     _loss_scale: float = 1.0
 
     # --- plain module-like helpers -----------------------------------------------------------
@@ -66,6 +67,10 @@ class ParallelModel:
 
     def eval(self) -> None:
         self.train(False)
+
+    def _phase(self, name: str) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name)
 
     @property
     def tp_rank(self) -> int:
@@ -90,6 +95,8 @@ class ParallelModel:
         if self.pipeline is not None:
             inputs = torch.cat([b[0] for b in batches])
             targets = torch.cat([b[1] for b in batches])
+            self._phase("forward")
+            self._phase("backward")  # the schedule interleaves both; a drill fires before it
             with self._autocast():
                 losses = self.pipeline.run(inputs, targets)
             for loss in losses:
@@ -98,9 +105,11 @@ class ParallelModel:
         model = self.parts[0]
         for i, (inputs, targets) in enumerate(batches):
             with _grad_sync(model, enabled=i == len(batches) - 1), loss_context(self.loss_parallel):
+                self._phase("forward")
                 with self._autocast():
                     logits = model(inputs)
                 loss_sum = self.token_loss_sum(logits, targets)
+                self._phase("backward")
                 (loss_sum * loss_scale).backward()
             total += _local(loss_sum.detach()).double()
         return total
@@ -120,7 +129,9 @@ class ParallelModel:
                 p.grad = None
             if fsdp:  # FSDP reduces every round with the tree reduce-scatter installed on it
                 model.set_requires_gradient_sync(True)
+            self._phase("forward")
             loss_sum = self.token_loss_sum(model(inputs), targets)
+            self._phase("backward")
             (loss_sum * loss_scale).backward()
             total += loss_sum.detach().double()
             if fsdp:

@@ -85,4 +85,5 @@ def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = Fal
         run_worker(spec, run_dir, resume=resume, after_fit=dump_final_state if dump_state else None)
     else:
         launch_local(run_dir, spec.parallel.nproc, resume,
+                     max_restarts=spec.failure.max_restarts,
                      worker_args=("--dump-state",) if dump_state else ())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shardwise.data.loader import Batch
 from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
+from shardwise.resilience.faults import FaultInjector
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.optim import Optimizers, clip_grads, global_grad_norm
 
@@ -46,13 +47,15 @@ def global_sum(pm: ParallelModel, local: torch.Tensor) -> float:
 
 def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batch],
                global_tokens: int, *, step: int, lr: float, grad_clip: float,
-               scaler: LossScaler | None) -> StepResult:
+               scaler: LossScaler | None, faults: FaultInjector | None = None) -> StepResult:
     pm.train()
     optimizers.set_lr(lr)
     # Backend reductions average over dp; invariant mode sums itself, so no correction there.
     dp_correction = 1 if pm.invariant else pm.ctx.dims.dp
     loss_scale = dp_correction / global_tokens * (scaler.scale if scaler else 1.0)
     local_sum = pm.forward_backward(batches, loss_scale)
+    if faults is not None:
+        faults.after_backward(step + 1, pm.parameters())
     found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
     total = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
     skipped = False
@@ -61,6 +64,8 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         skipped = scaler.update(found_inf or not bool(torch.isfinite(total)))
     if not skipped:
         clip_grads(pm, grad_clip, total)
+        if faults is not None:
+            faults.at("optimizer", step + 1)
         optimizers.step()
     optimizers.zero_grad()
     loss = global_sum(pm, local_sum) / global_tokens

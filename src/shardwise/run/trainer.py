@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import __version__
+from shardwise import STARTED_AT, __version__
 from shardwise.checkpoint import Checkpointer, ModelState
 from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
@@ -28,6 +28,7 @@ from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import parallelize
+from shardwise.resilience.faults import FaultInjector
 from shardwise.run import manifest
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
@@ -97,6 +98,8 @@ class Trainer:
         self.optimizers = Optimizers(self.model, spec.optimizer)
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
         self.meter = ModelStateMeter(self.model, self.optimizers)
+        self.faults = FaultInjector.from_spec(spec.failure.faults, ctx.rank)
+        self.model.phase_hook = lambda phase: self.faults.at(phase, self.state.step + 1)
         self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
                                        spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
         self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
@@ -171,12 +174,13 @@ class Trainer:
         while self.state.step < self.stop_step:
             t0 = time.perf_counter()
             self.ledger.record(self.state.step + 1, self.train_data.step_indices())
+            self.faults.at("data", self.state.step + 1)
             batches, tokens = self.train_data.next_step()
             with self.meter.measuring(first=self.state.step == self._start_step):
                 result = train_step(
                     self.model, self.optimizers, batches, tokens, step=self.state.step,
                     lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
-                    grad_clip=spec.optimizer.grad_clip, scaler=self.scaler)
+                    grad_clip=spec.optimizer.grad_clip, scaler=self.scaler, faults=self.faults)
             self.state.step = result.step
             self.state.tokens_seen += tokens
             self._step_times.append(time.perf_counter() - t0)
@@ -198,6 +202,10 @@ class Trainer:
                 self._state_logged = True
                 self.events.emit("model_state", result.step, **self._gathered_state())
             last = result.step == self.stop_step
+            if result.step == self._start_step + 1 and self.faults.attempt > 0:
+                self.events.emit("restart", result.step, attempt=self.faults.attempt,
+                                 resumed_from_step=self._start_step,
+                                 seconds_to_first_step=round(time.time() - STARTED_AT, 3))
             for hook in self.hooks:
                 if hook.due(result.step, last):
                     hook.fn(self, result)
@@ -301,8 +309,10 @@ def _checkpoint_hook(trainer: Trainer, result: StepResult) -> None:
             "mesh": trainer.ctx.dims.mesh_shape, "spec_digest": spec.digest(),
             "shardwise_version": __version__, "torch_version": torch.__version__,
             "consumed_samples": trainer.train_data.consumed_samples}
-    path = trainer.checkpointer.save(result.step, trainer.components(), meta,
-                                     attach=(trainer.run_dir / manifest.MANIFEST,))
+    path = trainer.checkpointer.save(
+        result.step, trainer.components(), meta, attach=(trainer.run_dir / manifest.MANIFEST,),
+        on_written=lambda: trainer.faults.at("checkpoint-write", result.step))
+    trainer.faults.after_checkpoint(result.step, path)
     trainer.summary.checkpoint = str(path)
     trainer.events.emit("checkpoint", result.step, path=str(path),
                         save_seconds=round(time.perf_counter() - t0, 4))

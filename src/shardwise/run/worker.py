@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint import Checkpointer
 from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
@@ -98,7 +99,10 @@ def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> Even
 
 
 def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
-    """Entry when torchrun started the CLI: agree on one run directory, then train."""
+    """Entry when torchrun started the CLI: agree on one run directory, then train. After a
+    torchrun restart (--max-restarts) a run with an explicit run.dir resumes from it."""
+    if restart_attempt() > 0 and spec.run.dir and (Path(spec.run.dir) / rundir.SPEC_FILE).exists():
+        resume_dir = spec.run.dir
     ctx = init_distributed(spec.parallel)
     clean = False
     try:
@@ -131,6 +135,11 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
 FINAL_STATE = "final_state.pt"
 
 
+def restart_attempt() -> int:
+    """0 for the first start, N after the elastic agent restarted the workers N times."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def dump_final_state(trainer: Trainer) -> None:
     """Rank 0 saves every parameter and optimizer-state tensor, gathered to full tensors, to
     RUN_DIR/final_state.pt (collective; for `shardwise verify` on small models)."""
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     try:
         spec = rundir.load_run_spec(run_dir, [])
+        if restart_attempt() > 0:  # the elastic agent restarted us: continue from a checkpoint
+            args.resume = Checkpointer(run_dir / "checkpoints", 0, False).latest() is not None
         run_worker(spec, run_dir, resume=args.resume,
                    after_fit=dump_final_state if args.dump_state else None)
     except UserError as err:

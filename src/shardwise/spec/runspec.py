@@ -254,6 +254,20 @@ class LossScaleSection:
 
 
 @dataclass(frozen=True)
+class FailureSection:
+    """What happens when a worker dies, and faults to inject for drills and tests."""
+
+    max_restarts: int = 0  # the elastic agent restarts every worker up to N times; each resumes
+    faults: str = ""  # e.g. "kill:rank=1:step=3:phase=backward" (see shardwise.resilience.faults)
+
+    def validate(self) -> None:
+        _at_least("failure.max_restarts", self.max_restarts, 0)
+        from shardwise.resilience.faults import parse_faults
+
+        parse_faults(self.faults)
+
+
+@dataclass(frozen=True)
 class EvalSection:
     """Held-out loss every `every` steps over `batches` global batches of the validation split."""
 
@@ -319,6 +333,7 @@ class RunSpec:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
+    failure: FailureSection = field(default_factory=FailureSection)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)

@@ -1,0 +1,124 @@
+"""Fault injection, for tests and drills: from `failure.faults` in the spec or $SHARDWISE_FAULTS.
+
+A fault list is `;`-separated; each fault is `kind:key=value:key=value`, for example
+    kill:rank=1:step=3:phase=backward      SIGKILL rank 1 as step 3 enters backward
+    raise:rank=0:step=2:phase=optimizer    raise an exception instead
+    hang:rank=1:step=4:phase=forward       sleep until the collective timeout fires
+    slow:rank=1:ms=200                     sleep 200 ms in every step (a straggler)
+    nan:rank=0:step=5                      put a NaN into one gradient after backward
+    corrupt:step=4                         flip a byte of a checkpoint file after it is committed
+Phases: data, forward, backward, optimizer, checkpoint-write. `rank` defaults to every rank,
+`step` to every step. A fault fires in restart attempt 0 only (set `attempt=N` for another), so
+that the restarted run can get past it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.errors import SpecError
+
+KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
+PHASES = ("data", "forward", "backward", "optimizer", "checkpoint-write")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    phase: str | None = None
+    ms: float = 0.0
+    attempt: int = 0
+
+    def matches(self, rank: int, step: int, phase: str | None, attempt: int) -> bool:
+        return (self.attempt == attempt and (self.rank is None or self.rank == rank)
+                and (self.step is None or self.step == step)
+                and (self.phase is None or phase is None or self.phase == phase))
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise SpecError(f"failure.faults: unknown fault kind {kind!r} in {item!r}; choose one of "
+                            f"{', '.join(KINDS)} (e.g. kill:rank=1:step=3:phase=backward).")
+        values: dict[str, object] = {}
+        for pair in pairs:
+            key, _, value = pair.partition("=")
+            if key in ("rank", "step", "attempt"):
+                values[key] = int(value)
+            elif key == "ms":
+                values[key] = float(value)
+            elif key == "phase":
+                if value not in PHASES:
+                    raise SpecError(f"failure.faults: unknown fault phase {value!r} in {item!r}; "
+                                    f"choose one of {', '.join(PHASES)}.")
+                values[key] = value
+            else:
+                raise SpecError(f"failure.faults: unknown fault option {key!r} in {item!r}; use rank, step, "
+                                "phase, ms or attempt.")
+        faults.append(Fault(kind, **values))  # type: ignore[arg-type]
+    return faults
+
+
+@dataclass
+class FaultInjector:
+    faults: list[Fault]
+    rank: int
+    attempt: int
+    fired: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_spec(cls, spec_faults: str, rank: int) -> FaultInjector:
+        text = ";".join(filter(None, [spec_faults, os.environ.get("SHARDWISE_FAULTS", "")]))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return cls(parse_faults(text), rank, attempt)
+
+    def at(self, phase: str, step: int) -> None:
+        """Called as `step` (1-based) enters `phase`."""
+        for fault in self.faults:
+            if fault.kind in ("kill", "raise", "hang") and fault.phase is None:
+                fault = Fault(fault.kind, fault.rank, fault.step, "forward", fault.ms,
+                              fault.attempt)
+            if not fault.matches(self.rank, step, phase, self.attempt):
+                continue
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "raise":
+                raise InjectedFault(f"injected fault at step {step}, phase {phase}, rank "
+                                    f"{self.rank}")
+            if fault.kind == "hang":
+                time.sleep(10**6)
+            if fault.kind == "slow" and phase == "forward":
+                time.sleep(fault.ms / 1000)
+
+    def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        for fault in self.faults:
+            if fault.kind == "nan" and fault.matches(self.rank, step, None, self.attempt):
+                grad = next(p.grad for p in params if p.grad is not None)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                if local.numel():
+                    local.view(-1)[0] = float("nan")
+                self.fired.append(f"nan@{step}")
+
+    def after_checkpoint(self, step: int, path: Path) -> None:
+        for fault in self.faults:
+            if fault.kind == "corrupt" and fault.matches(self.rank, step, None, self.attempt) \
+                    and self.rank == 0:
+                target = sorted(path.glob("*.distcp"))[0]
+                data = bytearray(target.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                target.write_bytes(bytes(data))
+                self.fired.append(f"corrupt@{step}:{target.name}")
