@@ -1,0 +1,77 @@
+"""Export a sharded checkpoint as one consolidated safetensors file any tool can load.
+
+The checkpoint is read with DCP in a single process (no process group), resharded onto a freshly
+built model of the run's spec, and written with safetensors — which holds only tensors and never
+unpickles anything. `config.json` (model shape, vocabulary, sequence length) and the tokenizer are
+written beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardwise.checkpoint.integrity import META, verify
+from shardwise.errors import UserError
+from shardwise.models import build_model
+from shardwise.run import rundir
+
+
+def export_safetensors(checkpoint: Path, out_dir: Path) -> Path:
+    """Write out_dir/model.safetensors (+ config.json, tokenizer.json); returns the model file."""
+    from safetensors.torch import save_file
+
+    if not (checkpoint / META).is_file():
+        raise UserError(f"{checkpoint} is not a checkpoint (no {META}). Pass a directory like "
+                        "runs/NAME/checkpoints/step-000500.")
+    verdict = verify(checkpoint, 0, 1, False)
+    if not verdict.valid:
+        raise UserError(f"{checkpoint} does not verify: {'; '.join(verdict.problems)}. Export an "
+                        "earlier checkpoint instead.")
+    run_dir = checkpoint.parent.parent
+    spec = rundir.load_run_spec(run_dir, [])
+    from shardwise.data import prepare_data
+
+    data = prepare_data(spec.data)
+    model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
+    state = {k: v for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+    tied = spec.model.tie_embeddings
+    tensors = {k: v.detach().contiguous() for k, v in state.items()
+               if not (tied and k == "output.weight")}  # safetensors stores a shared tensor once
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {"family": spec.model.family, "vocab_size": data.vocab_size,
+              "seq_len": spec.data.seq_len, **spec.model.__dict__,
+              "tied_output_weight": "tok_embeddings.weight" if tied else None,
+              "checkpoint": str(checkpoint),
+              "step": json.loads((checkpoint / META).read_text())["step"]}
+    model_file = out_dir / "model.safetensors"
+    save_file(tensors, str(model_file), metadata={"format": "pt", "shardwise_config":
+                                                  json.dumps(config)})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if data.tokenizer_path is not None:
+        shutil.copy2(data.tokenizer_path, out_dir / "tokenizer.json")
+    return model_file
+
+
+def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
+    """Rebuild the model from an export (safetensors + config.json), without any pickle."""
+    from safetensors.torch import load_file
+
+    from shardwise.spec.runspec import ModelSection
+
+    config = json.loads((model_file.parent / "config.json").read_text())
+    fields = {k: config[k] for k in ModelSection.__dataclass_fields__}
+    model = build_model(ModelSection(**fields), config["vocab_size"], config["seq_len"], seed=0)
+    tensors = load_file(str(model_file))
+    if config["tied_output_weight"]:
+        tensors["output.weight"] = tensors[config["tied_output_weight"]]
+    model.load_state_dict(tensors, strict=True)
+    return model, config
