@@ -49,11 +49,16 @@ class LedgerWriter:
         path = self.dir / LAUNCHES
         self.launch = len(path.read_text().splitlines()) if path.exists() else 0
 
-    def start_launch(self, start_step: int, world_size: int) -> None:
+    def start_launch(self, start_step: int, world_size: int,
+                     skipped: tuple[int, int] | None = None) -> None:
+        """Rank 0 records the launch; `skipped` declares samples [a, b) deliberately never
+        trained on (a rollback past batches that made training diverge)."""
         if self.rank == 0:
+            record = {"launch": self.launch, "start_step": start_step, "world_size": world_size}
+            if skipped is not None:
+                record["skipped"] = list(skipped)
             with (self.dir / LAUNCHES).open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"launch": self.launch, "start_step": start_step,
-                                    "world_size": world_size}) + "\n")
+                f.write(json.dumps(record) + "\n")
 
     def record(self, step: int, micro_batches: list[np.ndarray]) -> None:
         indices = np.concatenate(micro_batches) if micro_batches else np.zeros(0, np.int64)
@@ -70,6 +75,7 @@ class LedgerReport:
     steps: int = 0
     samples: int = 0
     launches: int = 0
+    skipped: int = 0  # samples declared skipped by a rollback
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -83,6 +89,8 @@ def audit(run_dir: Path) -> LedgerReport:
     ledger = run_dir / LEDGER_DIR
     launches = [json.loads(line) for line in (ledger / LAUNCHES).read_text().splitlines()]
     starts = {entry["launch"]: entry["start_step"] for entry in launches}
+    declared = {entry["skipped"][0]: entry["skipped"][1] for entry in launches
+                if "skipped" in entry}
     records: dict[tuple[int, int], list[tuple[int, list[list[int]]]]] = {}
     for path in sorted(ledger.glob("rank-*.jsonl")):
         rank = int(path.stem.split("-")[1])
@@ -110,6 +118,9 @@ def audit(run_dir: Path) -> LedgerReport:
                                                f"{seen[i]} and {rank})")
                     seen[i] = rank
         lo, hi = min(seen), max(seen) + 1
+        while expected_start in declared and expected_start != lo:
+            report.skipped += declared[expected_start] - expected_start
+            expected_start = declared[expected_start]
         if lo != expected_start:
             kind = "skipped" if lo > expected_start else "repeated"
             report.problems.append(f"step {step}: starts at sample {lo}, but the previous step "

@@ -6,6 +6,7 @@ a checkpoint — at any data-parallel degree — reads exactly the samples the u
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,9 +30,20 @@ class TrainBatches:
         self.dp_rank = dp_rank
         self.device = device
         self.consumed_samples = 0
+        self.skips: list[tuple[int, int]] = []  # [start, end) sample ranges never to train on
+
+    def skip(self, start: int, end: int) -> None:
+        """Never train on global samples [start, end) (a batch that made training diverge)."""
+        self.skips.append((start, end))
+
+    def _jump_skips(self) -> None:
+        for start, end in self.skips:
+            if self.consumed_samples == start:
+                self.consumed_samples = end
 
     def step_indices(self) -> list[np.ndarray]:
         """Global sample indices of this rank's micro-batches for the next step."""
+        self._jump_skips()
         return self.layout.rank_indices(self.consumed_samples, self.dp_rank)
 
     def next_step(self) -> tuple[list[Batch], int]:
@@ -40,7 +52,7 @@ class TrainBatches:
         Every token of a packed sequence is a target, so the global count is B·T; it is computed
         here, not communicated, because every rank knows the whole step's samples.
         """
-        batches = [self._load(idx) for idx in self.step_indices()]
+        batches = [self._load(idx) for idx in self.step_indices()]  # (jumps skipped ranges)
         self.consumed_samples += self.layout.global_batch
         return batches, self.layout.global_batch * self.sequences.seq_len
 
@@ -49,7 +61,9 @@ class TrainBatches:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.sampler.seed}
+        # skips as JSON text: DCP would flatten a list into keys that vary with its length
+        return {"consumed_samples": self.consumed_samples, "seed": self.sampler.seed,
+                "skips": json.dumps(self.skips)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.sampler.seed:
@@ -59,6 +73,7 @@ class TrainBatches:
                 f"--set run.seed={int(state['seed'])}."
             )
         self.consumed_samples = int(state["consumed_samples"])
+        self.skips = [tuple(r) for r in json.loads(state["skips"])]
 
 
 class EvalBatches:

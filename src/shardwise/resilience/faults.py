@@ -106,7 +106,8 @@ class FaultInjector:
 
     def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
         for fault in self.faults:
-            if fault.kind == "nan" and fault.matches(self.rank, step, None, self.attempt):
+            if fault.kind == "nan" and fault.matches(self.rank, step, None, self.attempt) \
+                    and f"nan@{step}" not in self.fired:  # once: a rollback replays the step
                 grad = next(p.grad for p in params if p.grad is not None)
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 if local.numel():

@@ -58,10 +58,10 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         faults.after_backward(step + 1, pm.parameters())
     found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
     total = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
-    skipped = False
+    skipped = not bool(torch.isfinite(total))  # NaN/inf anywhere: no update from this step
     if scaler is not None:
         current_scale = scaler.scale
-        skipped = scaler.update(found_inf or not bool(torch.isfinite(total)))
+        skipped = scaler.update(found_inf or skipped)
     if not skipped:
         clip_grads(pm, grad_clip, total)
         if faults is not None:

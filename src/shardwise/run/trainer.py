@@ -118,6 +118,8 @@ class Trainer:
         self._step_times: list[float] = []
         self._start_step = 0
         self._state_logged = False
+        self._bad_steps = 0
+        self._bad_from = 0
         self.lineage: list[dict[str, Any]] = []
         self.ledger = LedgerWriter(run_dir, ctx.rank)
 
@@ -198,6 +200,8 @@ class Trainer:
         for result in self.steps():
             self.summary.losses.append(result.loss)
             self.summary.grad_norms.append(result.grad_norm)
+            if self._guard_numerics(result):
+                continue  # rolled back: the loop goes on from the checkpoint's step
             if self.meter.report is not None and not self._state_logged:
                 self._state_logged = True
                 self.events.emit("model_state", result.step, **self._gathered_state())
@@ -219,6 +223,41 @@ class Trainer:
                          val_loss=self.summary.val_losses.get(self.state.step),
                          unigram_loss=self.data.unigram_val_loss, sample=self.summary.sample_text)
         return self.summary
+
+    def _guard_numerics(self, result: StepResult) -> bool:
+        """Count consecutive steps skipped for non-finite gradients (fp16 overflows excluded:
+        the loss scaler backs off for those); after `failure.nan_patience` of them, roll back to
+        the newest valid checkpoint and never train on the offending batches. True if rolled
+        back."""
+        if not result.skipped or self.scaler is not None:
+            self._bad_steps = 0
+            return False
+        if self._bad_steps == 0:
+            self._bad_from = self.train_data.consumed_samples - self.layout.global_batch
+        self._bad_steps += 1
+        self.events.emit("nonfinite", result.step, loss=result.loss, grad_norm=result.grad_norm,
+                         consecutive=self._bad_steps)
+        patience = self.spec.failure.nan_patience
+        if not patience or self._bad_steps < patience:
+            return False
+        bad_to = self.train_data.consumed_samples
+        checkpoint, _ = self.checkpointer.find_valid()
+        if checkpoint is None:
+            raise UserError(
+                f"training diverged: {self._bad_steps} consecutive steps with non-finite "
+                f"gradients (up to step {result.step}) and no checkpoint to roll back to. Lower "
+                "optimizer.lr, set checkpoint.every so there is one, or inspect the data.")
+        self.resume(checkpoint)
+        self.train_data.skip(self._bad_from, bad_to)
+        self.ledger.count_launches()
+        if self.ctx.distributed:
+            dist.barrier()
+        self.ledger.start_launch(self.state.step, self.ctx.world_size,
+                                 skipped=(self._bad_from, bad_to))
+        self.events.emit("rollback", self.state.step, path=str(checkpoint),
+                         skipped_samples=[self._bad_from, bad_to], bad_steps=self._bad_steps)
+        self._bad_steps = 0
+        return True
 
     # --- helpers used by hooks -----------------------------------------------------------------
     def _emit_start(self) -> None:

@@ -259,9 +259,13 @@ class FailureSection:
 
     max_restarts: int = 0  # the elastic agent restarts every worker up to N times; each resumes
     faults: str = ""  # e.g. "kill:rank=1:step=3:phase=backward" (see shardwise.resilience.faults)
+    # Non-finite gradients skip the step; this many in a row roll back to the last checkpoint
+    # and skip the offending batches (0: only skip). fp16 runs back off the loss scale instead.
+    nan_patience: int = 3
 
     def validate(self) -> None:
         _at_least("failure.max_restarts", self.max_restarts, 0)
+        _at_least("failure.nan_patience", self.nan_patience, 0)
         from shardwise.resilience.faults import parse_faults
 
         parse_faults(self.faults)

@@ -1,0 +1,47 @@
+"""Numerics guard: a non-finite gradient skips the step; `failure.nan_patience` of them in a row
+roll back to the last checkpoint and skip the offending batches, declared in the ledger."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import tiny_spec
+from distributed import run_ranks
+from shardwise.data.ledger import audit
+from workers import train, train_single
+
+
+def events(run_dir, kind):
+    return [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if e["kind"] == kind]
+
+
+def test_nan_steps_are_skipped_then_rolled_back(small_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 8},
+                     checkpoint={"enabled": True, "every": 2},
+                     failure={"faults": "nan:step=3;nan:step=4", "nan_patience": 2})
+    result = train_single(spec)
+    bad = events(run_dir, "nonfinite")
+    assert [(e["step"], e["consecutive"]) for e in bad] == [(3, 1), (4, 2)]
+    (rollback,) = events(run_dir, "rollback")
+    assert rollback["step"] == 2 and rollback["path"].endswith("step-000002")
+    assert rollback["skipped_samples"] == [16, 32]  # steps 3 and 4: 2 x global batch 8
+    assert result["step"] == 8
+    assert all(math.isfinite(x) for x in result["losses"][-6:])
+    report = audit(run_dir)
+    assert report.exact, report.problems
+    assert (report.steps, report.skipped) == (8, 16)
+
+
+def test_patience_zero_only_skips(small_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 4},
+                     failure={"faults": "nan:rank=1:step=2", "nan_patience": 0},
+                     parallel={"dp_shard": 2, "nproc": 2})
+    result = run_ranks(train, 2, spec)[0]
+    assert [e["step"] for e in events(run_dir, "nonfinite")] == [2]
+    assert not events(run_dir, "rollback")
+    assert math.isnan(result["grad_norms"][1]) and math.isfinite(result["grad_norms"][2])
+    assert all(math.isfinite(x) for x in result["losses"])
