@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.data.loader import Batch
 from shardwise.parallel.invariant import invariant_grad_norm
@@ -54,6 +55,7 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
     dp_correction = 1 if pm.invariant else pm.ctx.dims.dp
     loss_scale = dp_correction / global_tokens * (scaler.scale if scaler else 1.0)
     local_sum = pm.forward_backward(batches, loss_scale)
+    _reduce_partial_grads(pm)
     if faults is not None:
         faults.after_backward(step + 1, pm.parameters())
     found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
@@ -71,6 +73,16 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
     loss = global_sum(pm, local_sum) / global_tokens
     return StepResult(step + 1, loss, float(total), lr, global_tokens, skipped,
                       current_scale if scaler else 1.0)
+
+
+def _reduce_partial_grads(pm: ParallelModel) -> None:
+    """Sequence-parallel norm weights end backward with Partial(sum) gradients; every later op
+    (norm, AdamW's moments) would all-reduce them again. Reduce each once, here."""
+    for p in pm.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                for pl in g.placements])
 
 
 @torch.no_grad()
