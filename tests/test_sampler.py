@@ -187,7 +187,7 @@ def test_resume_from_consumed_samples(sequences, dp, k):
         for _ in range(k):
             ran.next_step()
         state = ran.state_dict()
-        assert state == {"consumed_samples": k * GLOBAL_BATCH, "seed": SEED}
+        assert state == {"consumed_samples": k * GLOBAL_BATCH, "seed": SEED, "skips": "[]"}
         fresh = TrainBatches(sequences, SEED, layout, rank, CPU)
         fresh.load_state_dict({"consumed_samples": k * GLOBAL_BATCH, "seed": SEED})
         for _ in range(2):
@@ -210,7 +210,8 @@ def test_resume_at_another_world_size_reads_the_same_samples(sequences):
     single = loaders(sequences, 1)
     for _ in range(k):
         single[0].next_step()
-    assert single[0].state_dict() == {"consumed_samples": k * GLOBAL_BATCH, "seed": SEED}
+    assert single[0].state_dict() == {"consumed_samples": k * GLOBAL_BATCH, "seed": SEED,
+                                      "skips": "[]"}
     got, _ = step_rows(resumed)
     want, _ = step_rows(single)
     assert len(want) == GLOBAL_BATCH

@@ -73,7 +73,7 @@ class TrainBatches:
                 f"--set run.seed={int(state['seed'])}."
             )
         self.consumed_samples = int(state["consumed_samples"])
-        self.skips = [tuple(r) for r in json.loads(state["skips"])]
+        self.skips = [tuple(r) for r in json.loads(state.get("skips", "[]"))]
 
 
 class EvalBatches:
