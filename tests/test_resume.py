@@ -74,12 +74,15 @@ HYBRID = {
     "tp2": (2, {"tp": 2, "dp_shard": 1}),
     "zero1-2": (2, {"dp_shard": 2, "zero": 1}),
     "zero3-2": (2, {"dp_shard": 2, "zero": 3}),
+    "zero3-4": (4, {"dp_shard": 4, "zero": 3}),
+    "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}),
     "single": (1, {}),
 }
 
 
 @pytest.mark.parametrize(("first", "second"), [("pp2", "single"), ("tp2", "single"),
-                                               ("zero1-2", "zero3-2"), ("single", "pp2")])
+                                               ("zero1-2", "zero3-2"), ("single", "pp2"),
+                                               ("ddp2", "zero3-4")])
 def test_resume_at_another_hybrid_layout(first, second, small_corpus, tmp_path):
     """A checkpoint written by one layout continues under another: the losses of the resumed
     steps match the uninterrupted single-process run within layout parity (1e-5)."""
