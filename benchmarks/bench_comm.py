@@ -61,7 +61,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_step import BENCH_OVERRIDES, QUICK_OVERRIDES, cpu_busy, machine_info, model_line, spawn_world
+from bench_step import (
+    BENCH_OVERRIDES,
+    QUICK_OVERRIDES,
+    append_section,
+    cpu_busy,
+    machine_info,
+    model_line,
+    spawn_world,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -393,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     "- MB = 10^6 bytes; wire = bytes this rank sends if each collective runs as a "
                     "ring; raw = payload at the call", "", *lines, "", *(f"- {x}" for x in after),
                     ""]
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a", encoding="utf-8") as f:
-            f.write("\n".join(section) + "\n")
-        print(f"appended to {args.output}")
+        append_section(args.output, section)
     return 0
 
 

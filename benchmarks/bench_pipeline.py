@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from bench_step import BENCH_OVERRIDES, cpu_busy, machine_info, model_line, spawn_world
+from bench_step import BENCH_OVERRIDES, append_section, cpu_busy, machine_info, model_line, spawn_world
 
 from shardwise.data import prepare_data
 from shardwise.models import build_model
@@ -375,10 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"- {args.warmup} warmup + {steps} timed steps per run, {repeats} repeats "
                     "(round-robin); medians over all timed steps", "", *lines, "",
                     *(f"- {x}" for x in after), ""]
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a", encoding="utf-8") as f:
-            f.write("\n".join(section) + "\n")
-        print(f"appended to {args.output}")
+        append_section(args.output, section)
     return 0
 
 

@@ -39,17 +39,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import queue
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
@@ -80,6 +76,7 @@ from shardwise.run.optim import lr_at
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
+from shardwise.utils.local_ranks import run_ranks
 
 #: name -> (world size, parallel section overrides, model section overrides)
 CONFIGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
@@ -287,56 +284,25 @@ def run_plan(plan: list[tuple[str, int, str]], specs: dict[str, RunSpec], data: 
     return records
 
 
-def _spawned_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-                  results: mp.Queue) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world)})
+def _bench_rank(store: dist.Store, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """One spawned rank: join a gloo group on the harness's store, run `fn(rank, world, *args)`."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(threads_for(world))
+    timeout = timedelta(seconds=300)
+    dist.init_process_group("gloo", store=dist.PrefixStore("/bench", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
-        torch.set_num_threads(threads_for(world))
-        timeout = timedelta(seconds=300)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("/bench", store), rank=rank,
-                                world_size=world, timeout=timeout)
-        value = fn(rank, world, *args)
+        return fn(rank, world, *args)
+    finally:
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
 
 
 def spawn_world(world: int, fn: Callable[..., Any], args: tuple[Any, ...],
                 timeout: float) -> list[Any]:
-    """`fn(rank, world, *args)` in `world` spawned ranks that share one gloo process group (a
-    TCPStore on a free port, threads = cores / ranks); returns what each rank returned, in rank
-    order. `fn` must be importable by the spawn start method (module level)."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned_rank, args=(fn, r, world, store.port, args, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=timeout)
-            if not ok:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break
-            out[rank] = pickle.loads(value)
-    except queue.Empty:
-        errors.append(f"world-{world} ranks did not finish within {timeout:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [out[r] for r in range(world)]
+    """`fn(rank, world, *args)` in `world` spawned ranks that share one gloo process group (the
+    shared harness shardwise.utils.local_ranks, threads = cores / ranks); results in rank order."""
+    return run_ranks(_bench_rank, world, fn, args, timeout=timeout)
 
 
 def _rank_main(rank: int, world: int, plan: list[tuple[str, int, str]],
@@ -353,6 +319,14 @@ def run_spawned(world: int, plan: list[tuple[str, int, str]], specs: dict[str, R
 
 
 # --- report -------------------------------------------------------------------------------------
+def append_section(path: Path, section: list[str]) -> None:
+    """Append a markdown section (lines) to a results file, creating its folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write("\n".join(section) + "\n")
+    print(f"appended to {path}")
+
+
 def cpu_busy(seconds: float = 1.0) -> str:
     """Share of all cores busy over `seconds`, from /proc/stat: other work on the machine shows
     here (the load average lags by minutes and counts this benchmark's own earlier runs)."""
@@ -560,10 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         section += [f"- {model_line(base_spec, data, params)}", *(f"- {n}" for n in notes),
                     f"- {warmup} warmup + {steps} timed steps per run, {repeats} repeats per side "
                     "(ABAB)", "", *lines, "", *(f"- {x}" for x in after), ""]
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a", encoding="utf-8") as f:
-            f.write("\n".join(section) + "\n")
-        print(f"appended to {args.output}")
+        append_section(args.output, section)
     return 0
 
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 
 from conftest import tiny_spec
-from distributed import run_ranks
 from shardwise.cli.main import main
 from shardwise.data.ledger import audit, to_ranges
+from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
 

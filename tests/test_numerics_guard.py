@@ -7,8 +7,8 @@ import json
 import math
 
 from conftest import tiny_spec
-from distributed import run_ranks
 from shardwise.data.ledger import audit
+from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
 

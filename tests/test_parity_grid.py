@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import tiny_spec
-from distributed import run_ranks
 from shardwise.parallel.accounting import zero_formula_bytes
+from shardwise.utils.local_ranks import run_ranks
 from test_parity import assert_model_close
 from workers import train, train_single
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_spec
-from distributed import run_ranks
+from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_spec
-from distributed import run_ranks
+from shardwise.utils.local_ranks import run_ranks
 from test_parity import assert_model_close, assert_params_close
 from workers import train, train_single
 

@@ -448,3 +448,18 @@ def test_cli_refuses_layouts_with_numbers(capsys, tiny_toml, nproc, sets, needle
     for item in sets:
         argv += ["--set", item]
     assert_user_error(cli(capsys, *argv), *needles)
+
+
+def test_spec_layer_imports_no_torch():
+    """The planner must run on a laptop: loading and validating a spec (fault lists included)
+    never imports torch."""
+    code = ("import sys; from shardwise.spec import load_spec; "
+            "load_spec(None, ['failure.faults=\"kill:rank=1:step=3:phase=backward\"']); "
+            "import shardwise.parallel.dims; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_bad_fault_number_is_a_spec_error():
+    with pytest.raises(SpecError, match=r"failure\.faults: rank='one'"):
+        load_spec(None, ['failure.faults="kill:rank=one"'])

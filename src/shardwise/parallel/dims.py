@@ -2,8 +2,9 @@
 
 Degrees are validated against the world size with messages that name the numbers. The device mesh
 is built from them with named axes in the Llama 3 order — pp outermost, then dp_replicate,
-dp_shard, cp, and tp innermost (fastest links) — so that code asks for `mesh["dp"]` and never does
-rank arithmetic. This module imports no torch.distributed, so the planner can use it anywhere.
+dp_shard, cp, and tp innermost (fastest links) — so that code asks for named views
+(`mesh["tp"]`, the flattened data-parallel mesh) and never does rank arithmetic. This module
+imports no torch.distributed, so the planner can use it anywhere.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class ParallelModel:
                 loss_sum = self.token_loss_sum(logits, targets)
                 self._phase("backward")
                 (loss_sum * loss_scale).backward()
-            total += _local(loss_sum.detach()).double()
+            total += _full_value(loss_sum.detach()).double()
         return total
 
     def _forward_backward_invariant(self, batches: Sequence[Batch],
@@ -242,7 +242,7 @@ def _unflatten_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

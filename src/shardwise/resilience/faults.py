@@ -19,10 +19,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardwise.errors import SpecError
+
+if TYPE_CHECKING:  # the spec validates fault lists, and the spec layer imports no torch
+    import torch
 
 KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
 PHASES = ("data", "forward", "backward", "optimizer", "checkpoint-write")
@@ -57,10 +59,12 @@ def parse_faults(text: str) -> list[Fault]:
         values: dict[str, object] = {}
         for pair in pairs:
             key, _, value = pair.partition("=")
-            if key in ("rank", "step", "attempt"):
-                values[key] = int(value)
-            elif key == "ms":
-                values[key] = float(value)
+            if key in ("rank", "step", "attempt", "ms"):
+                try:
+                    values[key] = float(value) if key == "ms" else int(value)
+                except ValueError:
+                    raise SpecError(f"failure.faults: {key}={value!r} in {item!r} is not a "
+                                    "number; write e.g. rank=1, step=3, ms=200.") from None
             elif key == "phase":
                 if value not in PHASES:
                     raise SpecError(f"failure.faults: unknown fault phase {value!r} in {item!r}; "

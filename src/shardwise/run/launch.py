@@ -15,6 +15,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardwise.data import PreparedData
 from shardwise.parallel.dims import ParallelDims
 from shardwise.spec.runspec import RunSpec
 
@@ -62,13 +63,17 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         shutil.rmtree(errors, ignore_errors=True)
 
 
+def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
+    """The spec with the data and tokenizer hashes filled in, so a later resume can check them."""
+    return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
+
+
 def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
     """Every check that needs no worker, before any worker starts: layout against the world size,
     batch against the data-parallel degree, layout against the model; the data is prepared once
     here and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.checks import check_layout
-    from shardwise.run.worker import with_data_hashes
 
     dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)

@@ -57,18 +57,22 @@ def resume_checkpoint(run_dir: Path, spec: RunSpec) -> Path:
             f"{run_dir / 'checkpoints'}. Start a fresh run instead, or check that the earlier "
             "run reached a checkpoint (checkpoint.every, run.stop_at)."
         )
-    step = int(json.loads((checkpoint / META).read_text())["step"])
-    stop = spec.run.stop_at or spec.run.steps
-    if step >= stop:
-        how = (f"--set run.stop_at=0 to run on to run.steps = {spec.run.steps} (or stop_at=N "
-               f"for some N > {step})") if spec.run.stop_at and spec.run.steps > step else \
-            f"--set run.steps=N for some N > {step}"
-        raise UserError(
-            f"{run_dir} is already at step {step}, the end of the run (run.steps = "
-            f"{spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train further, resume with "
-            f"{how}."
-        )
+    check_steps_left(run_dir, int(json.loads((checkpoint / META).read_text())["step"]), spec)
     return checkpoint
+
+
+def check_steps_left(run_dir: Path, step: int, spec: RunSpec) -> None:
+    """Refuse to resume a run that is already at its last step, saying how to extend it."""
+    if step < (spec.run.stop_at or spec.run.steps):
+        return
+    how = (f"--set run.stop_at=0 to run on to run.steps = {spec.run.steps} (or stop_at=N "
+           f"for some N > {step})") if spec.run.stop_at and spec.run.steps > step else \
+        f"--set run.steps=N for some N > {step}"
+    raise UserError(
+        f"{run_dir} is already at step {step}, the end of the run (run.steps = "
+        f"{spec.run.steps}, run.stop_at = {spec.run.stop_at}). To train further, resume with "
+        f"{how}."
+    )
 
 
 def load_run_spec(run_dir: Path, overrides: list[str]) -> RunSpec:

@@ -29,7 +29,7 @@ from shardwise.parallel.checks import check_layout
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import parallelize
 from shardwise.resilience.faults import FaultInjector
-from shardwise.run import manifest
+from shardwise.run import manifest, rundir
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.optim import Optimizers, lr_at
@@ -155,10 +155,7 @@ class Trainer:
             print(f"warning: resuming from {checkpoint.name}, the newest checkpoint that "
                   "verifies", file=sys.stderr)
         self.resume(checkpoint)
-        if self.state.step >= self.stop_step:
-            raise UserError(f"{self.run_dir} is already at step {self.state.step}, the end of the "
-                            f"run (run.steps = {self.spec.run.steps}, run.stop_at = "
-                            f"{self.spec.run.stop_at}). Resume with a larger run.steps.")
+        rundir.check_steps_left(self.run_dir, self.state.step, self.spec)
 
     def resume(self, checkpoint: Path) -> None:
         meta = self.checkpointer.load(checkpoint, self.components())

@@ -24,7 +24,7 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
 from shardwise.run import rundir
-from shardwise.run.launch import ERRORS_DIR
+from shardwise.run.launch import ERRORS_DIR, with_data_hashes
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
@@ -125,11 +125,6 @@ def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
         return summary
     finally:
         shutdown(clean)
-
-
-def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
-    """The spec with the data and tokenizer hashes filled in, so a later resume can check them."""
-    return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
 
 
 FINAL_STATE = "final_state.pt"

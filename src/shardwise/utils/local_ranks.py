@@ -1,4 +1,4 @@
-"""Run a function on N spawned gloo ranks and collect what each returns.
+"""Run a function on N spawned local ranks and collect what each returns (tests, benchmarks).
 
 The parent binds a TCPStore on port 0 (a free port chosen by the OS), so tests never collide on a
 fixed port; every rank gets 1 intra-op thread per core it shares; every run is bounded by a
@@ -34,7 +34,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180,
               env: dict[str, str] | None = None) -> list[Any]:
-    """`fn(store, *args)` on ranks 0..world-1; returns their results in rank order."""
+    """`fn(store, *args)` on ranks 0..world-1, each with RANK/WORLD_SIZE/LOCAL_* set and a client
+    of the parent's store; returns their results in rank order. `fn` must be importable by the
+    spawn start method (module level)."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     results: mp.Queue = ctx.Queue()
