@@ -262,10 +262,23 @@ class FailureSection:
     # Non-finite gradients skip the step; this many in a row roll back to the last checkpoint
     # and skip the offending batches (0: only skip). fp16 runs back off the loss scale instead.
     nan_patience: int = 3
+    # A step or collective that makes no progress for this long is a hang: every rank's last
+    # collectives are written down, a report names the ranks that diverged, the job exits.
+    # 0 disables the watchdog (the backend's parallel.timeout_s still applies).
+    hang_timeout_s: float = 120.0
+    # A rank whose compute time (step time minus time waiting in collectives) is above
+    # `straggler_factor` x the median for `straggler_windows` log windows in a row is named.
+    straggler_factor: float = 1.5
+    straggler_windows: int = 2
 
     def validate(self) -> None:
         _at_least("failure.max_restarts", self.max_restarts, 0)
         _at_least("failure.nan_patience", self.nan_patience, 0)
+        _at_least("failure.hang_timeout_s", self.hang_timeout_s, 0)
+        if not self.straggler_factor > 1.0:
+            raise SpecError(f"failure.straggler_factor is {self.straggler_factor}; it must be "
+                            "above 1 (a rank this many times slower than the median is named).")
+        _positive("failure.straggler_windows", self.straggler_windows)
         from shardwise.resilience.faults import parse_faults
 
         parse_faults(self.faults)
@@ -311,6 +324,27 @@ class LogSection:
 
 
 @dataclass(frozen=True)
+class TelemetrySection:
+    """What a run measures about itself beyond loss: FLOPs/MFU, communication, traces, sinks."""
+
+    peak_flops: float = 0.0  # per device, FLOP/s; 0: the device table (GPU) or a cached CPU probe
+    comm: bool = True  # count every collective by op, mesh axis, bytes and time
+    trace_from: int = 3  # first step of the Chrome trace window (RUN_DIR/trace/rank-K.json)
+    trace_steps: int = 2  # steps in the trace window; 0 disables the trace
+    prometheus_port: int = 0  # rank 0 serves /metrics on this port when > 0
+    prometheus_host: str = "127.0.0.1"
+    mlflow: bool = False  # log params, metrics and artifacts to MLflow (needs mlflow installed)
+
+    def validate(self) -> None:
+        _at_least("telemetry.peak_flops", self.peak_flops, 0)
+        _at_least("telemetry.trace_from", self.trace_from, 1)
+        _at_least("telemetry.trace_steps", self.trace_steps, 0)
+        if not 0 <= self.prometheus_port <= 65535:
+            raise SpecError(f"telemetry.prometheus_port is {self.prometheus_port}; use 0 (off) "
+                            "or a port number up to 65535.")
+
+
+@dataclass(frozen=True)
 class SampleSection:
     """Text generated at the end of the run, so a person can see what the model learned."""
 
@@ -341,6 +375,7 @@ class RunSpec:
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     sample: SampleSection = field(default_factory=SampleSection)
 
     def validate(self) -> RunSpec:
