@@ -19,6 +19,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.telemetry.comm import ddp_comm_hook
+
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str) -> nn.Module:
     """FSDP2 per transformer block, then the root. bf16 gathers parameters in bf16 and reduces
@@ -43,8 +45,11 @@ def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup,
               device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
     # Buffers (rotary tables) are built identically on every rank: nothing to broadcast.
-    return DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True,
-               broadcast_buffers=False)
+    ddp = DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True,
+              broadcast_buffers=False)
+    # DDP's own reduction, issued from Python so the communication tap can count it.
+    ddp.register_comm_hook(None, ddp_comm_hook(group))
+    return ddp
 
 
 def _local_slice(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -6,6 +6,8 @@ A fault list is `;`-separated; each fault is `kind:key=value:key=value`, for exa
     hang:rank=1:step=4:phase=forward       sleep until the collective timeout fires
     slow:rank=1:ms=200                     sleep 200 ms in every step (a straggler)
     nan:rank=0:step=5                      put a NaN into one gradient after backward
+    mismatch:rank=1:step=3:phase=backward  issue one stray 1-element all-reduce on the data-parallel
+                                           group: a collective mismatch, as a bug would cause
     corrupt:step=4                         flip a byte of a checkpoint file after it is committed
 Phases: data, forward, backward, optimizer, checkpoint-write. `rank` defaults to every rank,
 `step` to every step. A fault fires in restart attempt 0 only (set `attempt=N` for another), so
@@ -19,14 +21,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import SpecError
 
 if TYPE_CHECKING:  # the spec validates fault lists, and the spec layer imports no torch
     import torch
 
-KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt")
+KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch")
 PHASES = ("data", "forward", "backward", "optimizer", "checkpoint-write")
 
 
@@ -83,6 +85,7 @@ class FaultInjector:
     rank: int
     attempt: int
     fired: list[str] = field(default_factory=list)
+    group: Any = None  # the process group a `mismatch` fault sends its stray collective on
 
     @classmethod
     def from_spec(cls, spec_faults: str, rank: int) -> FaultInjector:
@@ -93,7 +96,7 @@ class FaultInjector:
     def at(self, phase: str, step: int) -> None:
         """Called as `step` (1-based) enters `phase`."""
         for fault in self.faults:
-            if fault.kind in ("kill", "raise", "hang") and fault.phase is None:
+            if fault.kind in ("kill", "raise", "hang", "mismatch") and fault.phase is None:
                 fault = Fault(fault.kind, fault.rank, fault.step, "forward", fault.ms,
                               fault.attempt)
             if not fault.matches(self.rank, step, phase, self.attempt):
@@ -105,6 +108,11 @@ class FaultInjector:
                                     f"{self.rank}")
             if fault.kind == "hang":
                 time.sleep(10**6)
+            if fault.kind == "mismatch":
+                import torch
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.zeros(1), group=self.group)
             if fault.kind == "slow" and phase == "forward":
                 time.sleep(fault.ms / 1000)
 

@@ -8,7 +8,7 @@ into a sum (exact for powers of two).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,10 @@ def global_sum(pm: ParallelModel, local: torch.Tensor) -> float:
 
 def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batch],
                global_tokens: int, *, step: int, lr: float, grad_clip: float,
-               scaler: LossScaler | None, faults: FaultInjector | None = None) -> StepResult:
+               scaler: LossScaler | None, faults: FaultInjector | None = None,
+               on_phase: Callable[[str, int], None] | None = None) -> StepResult:
+    """One optimizer step. `on_phase(phase, step)` is told when the optimizer phase starts (the
+    model's own phase hook reports forward and backward); without it, `faults` is."""
     pm.train()
     optimizers.set_lr(lr)
     # Backend reductions average over dp; invariant mode sums itself, so no correction there.
@@ -66,7 +69,9 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         skipped = scaler.update(found_inf or skipped)
     if not skipped:
         clip_grads(pm, grad_clip, total)
-        if faults is not None:
+        if on_phase is not None:
+            on_phase("optimizer", step + 1)
+        elif faults is not None:
             faults.at("optimizer", step + 1)
         optimizers.step()
     optimizers.zero_grad()

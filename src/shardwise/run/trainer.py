@@ -6,6 +6,7 @@ the checkpointer saves them as a set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -32,6 +33,7 @@ from shardwise.resilience.faults import FaultInjector
 from shardwise.run import manifest, rundir
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
+from shardwise.run.monitors import Monitors, gather_rows
 from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
@@ -99,7 +101,9 @@ class Trainer:
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
         self.meter = ModelStateMeter(self.model, self.optimizers)
         self.faults = FaultInjector.from_spec(spec.failure.faults, ctx.rank)
-        self.model.phase_hook = lambda phase: self.faults.at(phase, self.state.step + 1)
+        self.faults.group = ctx.dp_group()
+        self.monitors = Monitors(spec, ctx, run_dir, events, self.faults.attempt)
+        self.model.phase_hook = lambda phase: self.on_phase(phase, self.state.step + 1)
         self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
                                        spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
         self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
@@ -116,6 +120,7 @@ class Trainer:
                  at_end=spec.checkpoint.enabled),
         ]
         self._step_times: list[float] = []
+        self.gather = gather_rows(ctx)
         self._start_step = 0
         self._state_logged = False
         self._bad_steps = 0
@@ -168,10 +173,15 @@ class Trainer:
         return self.spec.run.stop_at or self.spec.run.steps
 
     # --- the loop ----------------------------------------------------------------------------
+    def on_phase(self, phase: str, step: int) -> None:
+        """`step` (1-based) enters `phase`: the monitors mark it, then any planted fault fires."""
+        self.monitors.phase(phase, step)
+        self.faults.at(phase, step)
+
     def steps(self) -> Iterator[StepResult]:
         spec = self.spec
         while self.state.step < self.stop_step:
-            t0 = time.perf_counter()
+            self.monitors.begin_step(self.state.step + 1)
             self.ledger.record(self.state.step + 1, self.train_data.step_indices())
             self.faults.at("data", self.state.step + 1)
             batches, tokens = self.train_data.next_step()
@@ -179,10 +189,11 @@ class Trainer:
                 result = train_step(
                     self.model, self.optimizers, batches, tokens, step=self.state.step,
                     lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
-                    grad_clip=spec.optimizer.grad_clip, scaler=self.scaler, faults=self.faults)
+                    grad_clip=spec.optimizer.grad_clip, scaler=self.scaler, faults=self.faults,
+                    on_phase=self.on_phase)
             self.state.step = result.step
             self.state.tokens_seen += tokens
-            self._step_times.append(time.perf_counter() - t0)
+            self._step_times.append(self.monitors.end_step(result.step))
             yield result
 
     def fit(self) -> TrainSummary:
@@ -194,6 +205,24 @@ class Trainer:
         self.ledger.start_launch(self.state.step, self.ctx.world_size)
         self._emit_start()
         t_start = time.perf_counter()
+        self.monitors.start()
+        try:
+            self._loop()
+        finally:
+            self.monitors.close()
+        self.summary.final_step = self.state.step
+        self.ledger.close()
+        if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
+            self._sample()
+        self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
+                         tokens_seen=self.state.tokens_seen,
+                         final_loss=self.summary.losses[-1] if self.summary.losses else None,
+                         val_loss=self.summary.val_losses.get(self.state.step),
+                         unigram_loss=self.data.unigram_val_loss, sample=self.summary.sample_text,
+                         goodput=self.monitors.goodput())
+        return self.summary
+
+    def _loop(self) -> None:
         for result in self.steps():
             self.summary.losses.append(result.loss)
             self.summary.grad_norms.append(result.grad_norm)
@@ -204,22 +233,19 @@ class Trainer:
                 self.events.emit("model_state", result.step, **self._gathered_state())
             last = result.step == self.stop_step
             if result.step == self._start_step + 1 and self.faults.attempt > 0:
+                reached = self.monitors.previous_attempt_step()
                 self.events.emit("restart", result.step, attempt=self.faults.attempt,
                                  resumed_from_step=self._start_step,
-                                 seconds_to_first_step=round(time.time() - STARTED_AT, 3))
+                                 seconds_to_first_step=round(time.time() - STARTED_AT, 3),
+                                 failed_at_step=reached,
+                                 steps_lost=None if reached is None
+                                 else max(0, reached - self._start_step))
             for hook in self.hooks:
                 if hook.due(result.step, last):
-                    hook.fn(self, result)
-        self.summary.final_step = self.state.step
-        self.ledger.close()
-        if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
-            self._sample()
-        self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
-                         tokens_seen=self.state.tokens_seen,
-                         final_loss=self.summary.losses[-1] if self.summary.losses else None,
-                         val_loss=self.summary.val_losses.get(self.state.step),
-                         unigram_loss=self.data.unigram_val_loss, sample=self.summary.sample_text)
-        return self.summary
+                    writing = hook.name == "checkpoint"
+                    self.monitors.phase("checkpoint" if writing else "hook", result.step)
+                    with self.monitors.paused() if writing else contextlib.nullcontext():
+                        hook.fn(self, result)
 
     def _guard_numerics(self, result: StepResult) -> bool:
         """Count consecutive steps skipped for non-finite gradients (fp16 overflows excluded:
@@ -314,20 +340,19 @@ class Trainer:
 
 
 def _log_hook(trainer: Trainer, result: StepResult) -> None:
-    times = trainer._step_times
-    recent = times[-trainer.spec.log.every:]
-    local = statistics.median(recent)
-    per_rank = trainer._gather_floats(local)
-    step_time = max(per_rank)  # the step takes as long as the slowest rank
+    recent = trainer._step_times[-trainer.spec.log.every:]
+    window = trainer.monitors.window_fields(result.step, trainer.gather)  # collective
+    step_time = window["step_time_s"]
     remaining = trainer.stop_step - result.step
     extra = {}
     if trainer.scaler is not None:
         extra = {"loss_scale": result.loss_scale, "skipped_steps": trainer.scaler.skipped_steps}
     trainer.events.emit(
         "step", result.step, **extra, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-        tokens_per_s=result.tokens / step_time, step_time_s=step_time,
-        step_time_s_per_rank=per_rank, tokens_seen=trainer.state.tokens_seen,
-        eta_s=remaining * statistics.mean(recent))
+        tokens_per_s=result.tokens / step_time,
+        samples_per_s=trainer.layout.global_batch / step_time, **window,
+        tokens_seen=trainer.state.tokens_seen, eta_s=remaining * statistics.mean(recent),
+        straggler=trainer.monitors.current_straggler or None)
 
 
 def _eval_hook(trainer: Trainer, result: StepResult) -> None:
