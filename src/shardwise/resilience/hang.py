@@ -12,6 +12,7 @@ order, so per group the n-th call must match on every rank. The report names
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -125,8 +126,35 @@ def report(directory: Path, world: int, headline: str) -> Diagnosis:
     """Diagnose the flights in `directory`, write `hang-report.txt` there, return the diagnosis."""
     flights, _ = read_all(directory)
     diagnosis = diagnose(flights, world)
-    atomic_write_text(directory / REPORT, diagnosis.text(headline) + "\n")
+    save(directory, diagnosis, diagnosis.text(headline),
+         max((f.step for f in flights), default=0))
     return diagnosis
+
+
+def save(directory: Path, diagnosis: Diagnosis, text: str, step: int) -> None:
+    """The report as text for people and as JSON for the launcher's `hang` event."""
+    atomic_write_text(directory / REPORT.replace(".txt", ".json"),
+                      json.dumps({"ranks": diagnosis.ranks, "step": step, "report": text}))
+    atomic_write_text(directory / REPORT, text + "\n")
+
+
+def append_event(run_dir: Path, directory: Path, source: str) -> None:
+    """Add the report of `directory` to metrics.jsonl as a `hang` event, unless a rank did."""
+    summary_path = directory / REPORT.replace(".txt", ".json")
+    metrics = run_dir / "metrics.jsonl"
+    if not summary_path.exists():
+        return
+    attempt = int(directory.name.split("-")[1])
+    if metrics.exists():
+        for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+            if '"hang"' in line and f'"attempt": {attempt}' in line:
+                return
+    summary = json.loads(summary_path.read_text())
+    event = {"kind": "hang", "run_id": run_dir.name, "rank": -1, "step": summary["step"],
+             "time": round(time.time(), 3), "ranks": summary["ranks"],
+             "report": summary["report"], "attempt": attempt, "source": source}
+    with metrics.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(event) + "\n")
 
 
 def latest_attempt_dir(run_dir: Path) -> Path | None:

@@ -54,6 +54,9 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         if messages:  # a user error, the same on every rank that saw it: say it once
             raise WorkersFailed(" ".join(messages), 2) from None
         listed = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
+        diagnosis = explain_failure(run_dir, nproc)
+        if diagnosis:
+            print(f"\n{diagnosis}", file=sys.stderr, flush=True)
         raise WorkersFailed(
             f"training failed: {listed} (a negative code is the signal that stopped it). The "
             f"workers' own output is above; the run directory {run_dir} keeps everything "
@@ -61,6 +64,31 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
             f"{run_dir}`.", 1) from None
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def explain_failure(run_dir: Path, world: int) -> str:
+    """The hang report of the last attempt if a watchdog wrote one; otherwise a diagnosis of the
+    ranks' flight records when they show a mismatch or a rank that fell behind (gloo aborts a
+    process on a collective mismatch, so that rank could not say it). Written to
+    RUN_DIR/diagnostics/attempt-N/hang-report.txt and appended to metrics.jsonl as a `hang`
+    event. Empty when the records show nothing wrong with the collectives."""
+    from shardwise.resilience.flight import read_all
+    from shardwise.resilience.hang import REPORT, append_event, diagnose, latest_attempt_dir, save
+
+    directory = latest_attempt_dir(run_dir)
+    if directory is None:
+        return ""
+    if not (directory / REPORT).exists():
+        flights, _ = read_all(directory)
+        diagnosis = diagnose(flights, world)
+        if not flights or not diagnosis.diverged:
+            return ""
+        save(directory, diagnosis,
+             diagnosis.text(f"FAILED: the workers of {directory.name} died; their flight "
+                            "records show a collective problem."),
+             max(f.step for f in flights))
+    append_event(run_dir, directory, source="launcher")
+    return (directory / REPORT).read_text()
 
 
 def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:

@@ -67,6 +67,7 @@ class Monitors:
         self._t0 = 0.0
         self._data_t = 0.0
         self.current_straggler: str = ""
+        self.min_wire_bytes: float | None = None  # the layout's theoretical minimum per step
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +155,8 @@ class Monitors:
             fields.update(
                 comm_bytes=round(comm_bytes), comm_wire_bytes=round(wire),
                 comm_time_s=round(comm_time, 6), comm_bytes_per_rank=[round(v) for v in cols[5]],
+                comm_ratio_to_min=round(wire / self.min_wire_bytes, 6)
+                if self.min_wire_bytes else None,
                 comm_by_op={k: {"calls": v.calls / n, "bytes": round(v.bytes / n),
                                 "wire_bytes": round(v.wire_bytes / n),
                                 "time_s": round(v.time_s / n, 6)}

@@ -38,6 +38,7 @@ from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
+from shardwise.telemetry.comm_theory import min_wire_bytes
 from shardwise.utils.files import atomic_write_text
 
 
@@ -103,6 +104,8 @@ class Trainer:
         self.faults = FaultInjector.from_spec(spec.failure.faults, ctx.rank)
         self.faults.group = ctx.dp_group()
         self.monitors = Monitors(spec, ctx, run_dir, events, self.faults.attempt)
+        self.monitors.min_wire_bytes = min_wire_bytes(spec, ctx.dims, self.num_params,
+                                                      self.layout.accumulation)
         self.model.phase_hook = lambda phase: self.on_phase(phase, self.state.step + 1)
         self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
                                        spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
