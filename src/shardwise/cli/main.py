@@ -16,12 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch whose results do not change with the layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from shardwise.cli import export, inspect, train, verify
+    from shardwise.cli import export, inspect, report, train, verify
 
     train.add_parser(sub)
     inspect.add_parser(sub)
     verify.add_parser(sub)
     export.add_parser(sub)
+    report.add_parser(sub)
     return parser
 
 

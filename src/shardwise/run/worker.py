@@ -28,6 +28,7 @@ from shardwise.run.launch import ERRORS_DIR, with_data_hashes
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
+from shardwise.telemetry.optional import check_optional_sinks, optional_sinks
 from shardwise.telemetry.progress import ProgressSink
 
 
@@ -88,6 +89,7 @@ def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:
 
 
 def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> EventLog:
+    check_optional_sinks(spec)
     sinks = []
     if ctx.is_main:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
@@ -95,6 +97,7 @@ def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> Even
             sinks.append(TensorBoardSink(run_dir / "tb"))
         if ui and spec.log.progress:
             sinks.append(ProgressSink(spec.run.stop_at or spec.run.steps, 0))
+        sinks.extend(optional_sinks(spec, run_dir))
     return EventLog(run_dir.name, ctx.rank, sinks)
 
 

@@ -1,0 +1,30 @@
+"""`shardwise report`: a self-contained HTML page of plots and a summary, read back from the events
+a run wrote to `RUN_DIR/metrics.jsonl`. Imports no torch: a report can be made on a laptop from a
+run directory copied off a cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.report.load import Run, load_run
+
+__all__ = ["Run", "build_report", "load_run"]
+
+
+def build_report(paths: list[str], out_dir: Path | None = None) -> tuple[Path, list[Run]]:
+    """Write `index.html` into `out_dir` (default: the first run's `report/`); with several runs,
+    their loss and throughput curves are overlaid and each run gets its own section."""
+    runs = [load_run(p) for p in paths]  # every input is checked before any plotting
+    from shardwise.report import html, plots
+    from shardwise.report.summary import summary_rows
+
+    compare = [plots.safely(make, runs) for make in plots.COMPARE_PLOTS]
+    per_run = [(run, [plots.safely(make, run) for make in plots.RUN_PLOTS]) for run in runs]
+    page = html.render(runs, summary_rows(runs), compare, per_run)
+    out_dir = out_dir or runs[0].run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / "index.html"
+    tmp = target.with_suffix(".html.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(target)  # a reader never sees half a page
+    return target, runs

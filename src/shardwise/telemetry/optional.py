@@ -1,0 +1,36 @@
+"""The sinks a spec may turn on beyond metrics.jsonl: Prometheus and MLflow (neither a dependency).
+
+`check_optional_sinks` runs on every rank, so a missing package stops all ranks with the same
+message instead of rank 0 alone while the others wait for it at their first collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.spec.runspec import RunSpec
+from shardwise.telemetry.events import Sink
+
+
+def check_optional_sinks(spec: RunSpec) -> None:
+    if spec.telemetry.mlflow:
+        from shardwise.telemetry.mlflow_sink import require_mlflow
+
+        require_mlflow()
+
+
+def optional_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
+    """Rank 0's extra sinks, as the spec's `telemetry` section asks."""
+    sinks: list[Sink] = []
+    t = spec.telemetry
+    if t.prometheus_port > 0:
+        from shardwise.telemetry.prometheus import start_prometheus
+
+        server = start_prometheus(t.prometheus_host, t.prometheus_port)
+        if server is not None:
+            sinks.append(server)
+    if t.mlflow:
+        from shardwise.telemetry.mlflow_sink import MlflowSink
+
+        sinks.append(MlflowSink(spec.to_dict(), run_dir, experiment=spec.run.name))
+    return sinks
