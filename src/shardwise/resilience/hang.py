@@ -12,6 +12,7 @@ order, so per group the n-th call must match on every rank. The report names
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -131,8 +132,20 @@ def report(directory: Path, world: int, headline: str) -> Diagnosis:
     return diagnosis
 
 
+def dump_collectives(directory: Path) -> None:
+    """Every rank's recorded collectives, decoded, as `collectives-rank-K.json`."""
+    flights, _ = read_all(directory)
+    for flight in flights:
+        atomic_write_text(directory / f"collectives-rank-{flight.rank}.json", json.dumps({
+            "rank": flight.rank, "step": flight.step, "phase": flight.phase,
+            "last_progress": flight.t_progress,
+            "collectives": [dataclasses.asdict(c) for c in flight.calls]}, indent=1))
+
+
 def save(directory: Path, diagnosis: Diagnosis, text: str, step: int) -> None:
-    """The report as text for people and as JSON for the launcher's `hang` event."""
+    """The report as text for people and as JSON for the launcher's `hang` event; every rank's
+    decoded collectives next to it."""
+    dump_collectives(directory)
     atomic_write_text(directory / REPORT.replace(".txt", ".json"),
                       json.dumps({"ranks": diagnosis.ranks, "step": step, "report": text}))
     atomic_write_text(directory / REPORT, text + "\n")

@@ -337,10 +337,15 @@ def ddp_comm_hook(group: dist.ProcessGroup | None) -> Callable:
     return hook
 
 
+def _is_work(x: Any) -> bool:
+    return hasattr(x, "wait") and hasattr(x, "get_future") and not isinstance(x, torch.Tensor)
+
+
 def _works(result: Any) -> list | None:
-    if isinstance(result, dist.Work):
+    """The Work handles of an asynchronous call (None when the call was synchronous)."""
+    if _is_work(result):
         return [result]
-    if isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
+    if isinstance(result, list) and result and all(_is_work(w) for w in result):
         return result
     return None
 

@@ -46,6 +46,8 @@ class ProgressSink:
             self._print(f"[bold]eval[/] step {event['step']}: held-out loss "
                         f"{event['val_loss']:.4f} (unigram baseline "
                         f"{event['unigram_loss']:.4f})")
+        elif kind == "straggler":
+            self._print(f"[bold yellow]straggler[/] at step {event['step']}: {event['message']}")
         elif kind == "checkpoint":
             self._print(f"checkpoint step {event['step']} -> {event['path']} "
                         f"({event['save_seconds']:.2f} s)")
