@@ -8,7 +8,8 @@ m = 2, 4, 8 micro-batches per step (`batch.global_batch = m * batch.micro_batch`
 
 The pipeline is shardwise's own: each rank builds the `Trainer` (so `parallelize` splits the model,
 `Pipeline` builds the torch.distributed.pipelining stages and schedule) and runs `Trainer.steps()`.
-The benchmark then wraps, on its own instances only, the compute entry points the schedule calls:
+`shardwise.telemetry.bubble.StageClock` (the same clock a run's `bubble_fraction` comes from) wraps,
+on these instances only, the compute entry points the schedule calls:
 `PipelineStage.forward_one_chunk` (F), the schedule's `_maybe_compute_loss` on the last stage (L),
 `PipelineStage.backward_one_chunk` (B, or I = input gradients only under zero-bubble) and
 `backward_weight_one_chunk` (W), and the schedule's `step()` (one step of the pipeline). P2P
@@ -59,6 +60,7 @@ from shardwise.parallel.distributed import init_distributed
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
+from shardwise.telemetry.bubble import StageClock, theoretical_bubble
 
 #: (pp_schedule, pp_virtual_stages)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)]
@@ -77,72 +79,6 @@ QUICK_OVERRIDES = [
 
 
 # --- inside each rank --------------------------------------------------------------------------
-class StageClock:
-    """Wraps the compute calls of one Pipeline (stages and schedule) and records their spans."""
-
-    def __init__(self, pipeline: Any) -> None:
-        self.events: list[tuple[str, int, int, float, float]] = []  # kind, stage, mb, t0, t1
-        self.steps: list[tuple[float, float]] = []
-        for stage in pipeline.stages:
-            self._wrap_stage(stage)
-        schedule = pipeline.schedule
-        inner_loss, inner_step = schedule._maybe_compute_loss, schedule.step
-
-        def loss(stage, output, target_mbs, mb_index, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
-            finally:
-                if stage.is_last:
-                    self.events.append(("L", stage.stage_index, mb_index, t0, time.perf_counter()))
-
-        def step(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner_step(*args, **kwargs)
-            finally:
-                self.steps.append((t0, time.perf_counter()))
-
-        schedule._maybe_compute_loss, schedule.step = loss, step
-
-    def _wrap_stage(self, stage: Any) -> None:
-        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, \
-            stage.backward_weight_one_chunk
-        sid = stage.stage_index
-
-        def forward(chunk, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fwd(chunk, *args, **kwargs)
-            finally:
-                self.events.append(("F", sid, chunk, t0, time.perf_counter()))
-
-        def backward(chunk, *args, **kwargs):
-            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            t0 = time.perf_counter()
-            try:
-                return bwd(chunk, *args, **kwargs)
-            finally:
-                self.events.append(("B" if full else "I", sid, chunk, t0, time.perf_counter()))
-
-        def weight(chunk, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return wgt(chunk, *args, **kwargs)
-            finally:
-                self.events.append(("W", sid, chunk, t0, time.perf_counter()))
-
-        stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
-        stage.backward_weight_one_chunk = weight
-
-    def step_records(self) -> list[dict[str, Any]]:
-        out = []
-        for t0, t1 in self.steps:
-            ops = [(k, s, mb, b - a) for k, s, mb, a, b in self.events if t0 <= a and b <= t1]
-            out.append({"t0": t0, "t1": t1, "busy": sum(op[3] for op in ops), "ops": ops})
-        return out
-
-
 def _pipeline_rank(rank: int, world: int, plan: list[tuple[str, int, int]],
                    specs: dict[tuple[str, int], RunSpec], warmup: int, steps: int
                    ) -> list[dict[str, Any]]:
@@ -155,7 +91,7 @@ def _pipeline_rank(rank: int, world: int, plan: list[tuple[str, int, int]],
         ctx = init_distributed(spec.parallel)  # reuses the process group
         with tempfile.TemporaryDirectory(prefix="bench-pipe-") as run_dir:
             trainer = Trainer(spec, ctx, Path(run_dir), data, EventLog("bench", ctx.rank, []))
-            clock = StageClock(trainer.model.pipeline)
+            clock = StageClock(trainer.model.pipeline, keep_ops=True)
             it = trainer.steps()
             train_ms = []
             for i in range(warmup + steps):
@@ -176,14 +112,6 @@ def _pipeline_rank(rank: int, world: int, plan: list[tuple[str, int, int]],
 
 
 # --- theory and simulation -----------------------------------------------------------------------
-def theory(schedule: str, v: int, m: int, p: int = PP) -> float:
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved-1f1b":
-        return (p - 1) / (v * m + p - 1)
-    return 0.0
-
-
 def simulate(sequences: list[list[tuple[str, int, int, float]]], n_stages: int
              ) -> list[float] | None:
     """Idle fraction per rank when each rank runs its ops in the given order, every op starts as
@@ -260,7 +188,7 @@ def summarize(records: list[dict[str, Any]], specs: dict[tuple[str, int], RunSpe
             op_ms.append({k: statistics.median(d) for k, d in sorted(kinds.items())})
         train = [t for rec in per_rank[0] for t in rec["train_ms"]]
         rows.append({
-            "schedule": schedule, "v": v, "m": m, "theory": theory(schedule, v, m),
+            "schedule": schedule, "v": v, "m": m, "theory": theoretical_bubble(schedule, PP, m, v),
             "sim_unit": sim_unit,
             "sim_meas": [statistics.median(x) if x else float("nan") for x in sim_meas],
             "measured": [statistics.median(x) for x in measured],

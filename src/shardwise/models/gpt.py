@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.spec.runspec import ModelSection
+from shardwise.telemetry.flops import FlopCounts
 
 
 @dataclass(frozen=True)
@@ -187,20 +188,28 @@ class GPT(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·N_matmul + 12·L·H·Q·T (PaLM appendix B).
-
-        N_matmul counts the weights used in matrix multiplies (all but the embedding lookup and the
-        norms; the output projection counts even when tied). The attention term counts QK^T and
-        AV over the full T×T square, forward and backward, without halving for the causal mask.
-        """
+    def flop_counts(self) -> FlopCounts:
+        """The facts `shardwise.telemetry.flops` computes FLOPs from (its docstring has the
+        definition). Uses the full model's config, so every pipeline stage reports the same."""
         cfg = self.cfg
         per_layer = (2 * cfg.d_model * cfg.n_heads * cfg.head_dim
                      + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim
                      + 3 * cfg.d_model * cfg.ffn_hidden)
-        n_matmul = cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
-        attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
-        return float(6 * n_matmul + attention)
+        return FlopCounts(n_layers=cfg.n_layers, layer_matmul_params=per_layer,
+                          head_matmul_params=cfg.d_model * cfg.vocab_size, n_heads=cfg.n_heads,
+                          head_dim=cfg.head_dim, seq_len=cfg.seq_len, causal=True,
+                          # recompute stops before w2: nothing saves its output for backward
+                          recompute_matmul_params=per_layer - cfg.d_model * cfg.ffn_hidden)
+
+    def flops_per_token(self, causal_halved: bool = False) -> float:
+        """Training FLOPs per token: 6·N_matmul + 12·L·H·Q·T (PaLM appendix B).
+
+        N_matmul counts the weights used in matrix multiplies (all but the embedding lookup and the
+        norms; the output projection counts even when tied). By default the attention term counts
+        QK^T and AV over the full T×T square, forward and backward, without halving for the causal
+        mask (what torch's flop counter counts); MFU uses `causal_halved=True`.
+        """
+        return self.flop_counts().per_token(causal_halved)
 
     @staticmethod
     def sharding_plan() -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 `RUN_DIR/manifest.json` is written when a launch starts and copied into every checkpoint. It names
 the spec (and its hash), data and tokenizer hashes, code version, Python/torch/package versions,
-seed, topology (world size, mesh, hostnames, devices) and checkpoint lineage: which checkpoint each
-launch resumed from and the hash of that checkpoint's manifest.
+seed, topology (world size, mesh, hostnames, devices), checkpoint lineage (which checkpoint each
+launch resumed from and the hash of that checkpoint's manifest) and the FLOPs formula and peak
+FLOP/s that define the run's MFU.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def host_info(device: torch.device) -> dict[str, str]:
 
 def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
                    lineage: list[dict[str, Any]], data_path: str, content_sha256: str,
-                   tokenizer_sha256: str) -> dict[str, Any]:
+                   tokenizer_sha256: str, telemetry: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """`telemetry`: the FLOPs formula, FLOPs per token and the peak FLOP/s (with its source) the
+    run's MFU is computed with (shardwise.telemetry.perf)."""
     return {
         "format": FORMAT,
         "run_id": run_id,
@@ -91,6 +95,7 @@ def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
         "environment": environment(),
         "topology": topology,
         "lineage": lineage,
+        "telemetry": telemetry,
     }
 
 

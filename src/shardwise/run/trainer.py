@@ -38,6 +38,7 @@ from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
+from shardwise.telemetry.perf import perf_of
 from shardwise.telemetry.comm_theory import min_wire_bytes
 from shardwise.utils.files import atomic_write_text
 
@@ -291,13 +292,15 @@ class Trainer:
             "run_start", self.state.step, version=__version__, layout=self.ctx.dims.describe(),
             world_size=self.ctx.world_size, mesh=self.ctx.dims.mesh_shape,
             device=str(self.ctx.device), threads=torch.get_num_threads(),
-            model_params=self.num_params, flops_per_token=self.flops_per_token,
+            model_params=self.num_params, **perf_of(self).start_fields(),
             zero=self.ctx.dims.zero, accumulation=self.layout.accumulation,
             tokens_per_step=self.layout.global_batch * self.spec.data.seq_len,
             unigram_loss=self.data.unigram_val_loss)
 
     def _write_manifest(self) -> None:
-        """Collective: gathers every rank's host and device, then rank 0 writes the manifest."""
+        """Collective: gathers every rank's host and device (and agrees on the peak FLOP/s), then
+        rank 0 writes the manifest."""
+        perf = perf_of(self)
         hosts: list[Any] = [manifest.host_info(self.ctx.device)]
         if self.ctx.distributed:
             hosts = [None] * self.ctx.world_size
@@ -313,7 +316,8 @@ class Trainer:
         content = manifest.build_manifest(self.spec, run_id=self.run_dir.name, topology=topology,
                                           lineage=self.lineage, data_path=data_path,
                                           content_sha256=self.data.content_hash,
-                                          tokenizer_sha256=self.data.tokenizer_hash)
+                                          tokenizer_sha256=self.data.tokenizer_hash,
+                                          telemetry=perf.manifest_fields())
         atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))
 
     def _gathered_state(self) -> dict[str, Any]:
@@ -354,6 +358,7 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
         "step", result.step, **extra, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
         tokens_per_s=result.tokens / step_time,
         samples_per_s=trainer.layout.global_batch / step_time, **window,
+        **perf_of(trainer).on_log(trainer, result, step_time),
         tokens_seen=trainer.state.tokens_seen, eta_s=remaining * statistics.mean(recent),
         straggler=trainer.monitors.current_straggler or None)
 

@@ -1,0 +1,146 @@
+"""FLOPs/MFU, memory and pipeline-bubble measurements of one training run, in one object the
+trainer calls from three places: `manifest_fields` (manifest), `start_fields` (run_start event) and
+`on_log` (step event fields; emits the one-off `memory` event).
+
+Per-rank figures are gathered with the trainer's `gather` (one all-gather of a vector), so every
+method that gathers is a collective: every rank calls it at the same point (the trainer's hooks run
+on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise.data.prepare import cache_root
+from shardwise.parallel.parallelize import unwrap
+from shardwise.telemetry.bubble import StageClock, theoretical_bubble
+from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_blocks, utilization
+from shardwise.telemetry.memory import ActivationSampler, device_memory
+from shardwise.telemetry.peak import Peak, resolve_peak
+
+if TYPE_CHECKING:
+    from shardwise.run.step import StepResult
+    from shardwise.run.trainer import Trainer
+
+_ATTR = "_perf_telemetry"
+
+
+def perf_of(trainer: Trainer) -> RunPerf:
+    """The trainer's RunPerf, built on first use (a collective: it agrees on the peak)."""
+    perf = trainer.__dict__.get(_ATTR)
+    if perf is None:
+        perf = RunPerf(trainer)
+        setattr(trainer, _ATTR, perf)
+    return perf
+
+
+def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
+    """The model family's FLOP facts (None for a family that does not report them)."""
+    model = unwrap(trainer.model.parts[0])
+    counts = getattr(model, "flop_counts", None)
+    return counts() if callable(counts) else None
+
+
+class RunPerf:
+    def __init__(self, trainer: Trainer) -> None:
+        spec, ctx, pm = trainer.spec, trainer.ctx, trainer.model
+        self.world_size = ctx.world_size
+        self.counts = flop_counts_of(trainer)
+        self.recomputed = 0
+        self.model_flops = self.hardware_flops = None
+        if self.counts is not None:
+            mem = spec.memory
+            self.recomputed = recomputed_blocks(mem.activation_checkpoint, mem.ac_every,
+                                                self.counts.n_layers)
+            self.model_flops = self.counts.per_token()
+            self.hardware_flops = self.counts.hardware_per_token(self.recomputed)
+        local = resolve_peak(ctx.device, spec.run.precision, spec.telemetry.peak_flops,
+                             cache_root(spec.data), announce=ctx.is_main)
+        # Every rank measured (or looked up) its own; the largest is the per-device peak, which
+        # can only lower MFU, never flatter it.
+        peaks = [row[0] for row in trainer.gather([local.flops or 0.0])]
+        self.peak = Peak(max(peaks), local.source, local.detail) if min(peaks) > 0 else \
+            Peak(None, local.source if local.flops is None else "unknown", local.detail)
+        self.clock = StageClock(pm.pipeline) if pm.pipeline is not None else None
+        self.bubble_theory = None
+        if pm.pipeline is not None:
+            par = spec.parallel
+            self.bubble_theory = theoretical_bubble(par.pp_schedule, ctx.dims.pp,
+                                                    trainer.layout.accumulation,
+                                                    par.pp_virtual_stages)
+        self.activations: ActivationSampler | None = None
+        if not spec.memory.compile:  # compiled blocks and saved-tensor hooks do not mix
+            self.activations = ActivationSampler()
+            self.activations.arm(pm.parts, trainer.optimizers.optimizers)
+        self.device = ctx.device
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._memory_emitted = False
+
+    # --- the three call sites --------------------------------------------------------------------
+    def manifest_fields(self) -> dict[str, Any]:
+        return {
+            "flops_formula": FLOPS_FORMULA,
+            "flop_counts": dataclasses.asdict(self.counts) if self.counts else None,
+            "flops_per_token": self.model_flops,
+            "hardware_flops_per_token": self.hardware_flops,
+            "recomputed_blocks": self.recomputed,
+            **self.peak.as_fields(),
+        }
+
+    def start_fields(self) -> dict[str, Any]:
+        return {"flops_per_token": self.model_flops,
+                "hardware_flops_per_token": self.hardware_flops,
+                "peak_flops": self.peak.flops, "peak_flops_source": self.peak.source,
+                "flops_formula": FLOPS_FORMULA}
+
+    def on_log(self, trainer: Trainer, result: StepResult, step_time: float) -> dict[str, Any]:
+        """Step-event fields for the window that just ended (collective: one all-gather, and one
+        more the first time, for the `memory` event)."""
+        if not self._memory_emitted and trainer.meter.report is not None:
+            self._emit_memory(trainer, result.step)
+        fields: dict[str, Any] = {}
+        if self.model_flops is not None and self.peak.flops:
+            tokens_per_s = result.tokens / step_time
+            fields["mfu"] = utilization(self.model_flops, tokens_per_s, self.world_size,
+                                        self.peak.flops)
+            fields["hfu"] = utilization(self.hardware_flops or 0.0, tokens_per_s,
+                                        self.world_size, self.peak.flops)
+        memory = device_memory(self.device)
+        busy, span, steps = self.clock.drain() if self.clock is not None else (0.0, 0.0, 0)
+        local = [float(v) for v in memory.values()] + [busy / max(steps, 1), span / max(steps, 1)]
+        cols = list(zip(*trainer.gather(local), strict=True))
+        for key, col in zip(memory, cols, strict=False):
+            fields[f"{key}_per_rank"] = [int(v) for v in col]
+        fields["peak_mem_bytes"] = max(fields["peak_mem_bytes_per_rank"])
+        if self.clock is not None:
+            fields.update(self._bubble(cols[-2], cols[-1]))
+        return fields
+
+    # --- parts -----------------------------------------------------------------------------------
+    def _bubble(self, busy: tuple[float, ...], span: tuple[float, ...]) -> dict[str, Any]:
+        """Idle fraction of each pipeline rank's schedule steps in the window (see bubble.py)."""
+        fractions = [1 - b / s if s > 0 else 0.0 for b, s in zip(busy, span, strict=True)]
+        return {"bubble_fraction": sum(fractions) / len(fractions),
+                "bubble_fraction_per_rank": fractions,
+                "bubble_fraction_theory": self.bubble_theory,
+                "stage_busy_s_per_rank": list(busy),
+                "stage_idle_s_per_rank": [s - b for b, s in zip(busy, span, strict=True)]}
+
+    def _emit_memory(self, trainer: Trainer, step: int) -> None:
+        """The one `memory` event: model state from ModelStateMeter, activations from the
+        sampled step, per rank (collective)."""
+        self._memory_emitted = True
+        state = dict(trainer.meter.report or {})
+        sampled = self.activations.peak_bytes if self.activations is not None else None
+        if self.activations is not None:
+            self.activations.disarm()
+        local = [float(v) for v in state.values()] + [-1.0 if sampled is None else float(sampled)]
+        cols = list(zip(*trainer.gather(local), strict=True))
+        fields = {f"{key}_per_rank": [int(v) for v in col]
+                  for key, col in zip(state, cols, strict=False)}
+        fields["activation_bytes_per_rank"] = [None if v < 0 else int(v) for v in cols[-1]]
+        trainer.events.emit("memory", step, **fields)
