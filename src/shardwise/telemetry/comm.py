@@ -190,13 +190,13 @@ class CommTap:
         from torch.distributed import _functional_collectives as funcol
         from torch.distributed import distributed_c10d as c10d
 
+        # One wrapper per function, set on every module that exports it: torch compares them
+        # by identity (`P2POp` accepts only `isend` / `irecv`).
         for name, (op, extract, gpos) in C10D.items():
-            for module in (dist, c10d):
-                self._wrap(module, name, op, extract, gpos, gathered_by_size=False)
+            self._wrap((c10d, dist), name, op, extract, gpos, gathered_by_size=False)
         for name, (op, extract, gpos, by_size) in FUNCOL.items():
-            self._wrap(funcol, name, op, extract, gpos, gathered_by_size=by_size)
-        for module in (dist, c10d):
-            self._wrap_batch_p2p(module)
+            self._wrap((funcol,), name, op, extract, gpos, gathered_by_size=by_size)
+        self._wrap_batch_p2p((c10d, dist))
         _ACTIVE = self
         return self
 
@@ -208,9 +208,15 @@ class CommTap:
         if _ACTIVE is self:
             _ACTIVE = None
 
-    def _wrap(self, module: Any, name: str, op: str, extract: _Extract, gpos: int,
+    def _set(self, modules: tuple[Any, ...], name: str, original: Any, wrapper: Any) -> None:
+        for module in modules:
+            if getattr(module, name, None) is original:
+                self._saved.append((module, name, original))
+                setattr(module, name, wrapper)
+
+    def _wrap(self, modules: tuple[Any, ...], name: str, op: str, extract: _Extract, gpos: int,
               gathered_by_size: bool) -> None:
-        original = getattr(module, name, None)
+        original = getattr(modules[0], name, None)
         if original is None or getattr(original, "__shardwise_tap__", False):
             return
         tap = self
@@ -228,11 +234,10 @@ class CommTap:
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         wrapper.__name__ = getattr(original, "__name__", name)
         wrapper.__doc__ = original.__doc__
-        self._saved.append((module, name, original))
-        setattr(module, name, wrapper)
+        self._set(modules, name, original, wrapper)
 
-    def _wrap_batch_p2p(self, module: Any) -> None:
-        original = getattr(module, "batch_isend_irecv", None)
+    def _wrap_batch_p2p(self, modules: tuple[Any, ...]) -> None:
+        original = getattr(modules[0], "batch_isend_irecv", None)
         if original is None or getattr(original, "__shardwise_tap__", False):
             return
         tap = self
@@ -248,8 +253,7 @@ class CommTap:
 
         batch_isend_irecv.__shardwise_tap__ = True  # type: ignore[attr-defined]
         batch_isend_irecv.__wrapped__ = original  # type: ignore[attr-defined]
-        self._saved.append((module, "batch_isend_irecv", original))
-        module.batch_isend_irecv = batch_isend_irecv
+        self._set(modules, "batch_isend_irecv", original, batch_isend_irecv)
 
     # --- one call ------------------------------------------------------------------------------
     def _call(self, original: Callable, args: tuple, kwargs: dict, op: str, group: Any,
