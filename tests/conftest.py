@@ -18,6 +18,7 @@ def isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tokenizers and token arrays go to a per-session cache, never the user's."""
     cache = tmp_path_factory.mktemp("cache")
     os.environ["SHARDWISE_CACHE"] = str(cache)
+    os.environ["SHARDWISE_PEAK_PROBE_S"] = "0.3"  # the CPU peak probe, once per session
     return cache
 
 
