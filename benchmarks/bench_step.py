@@ -130,6 +130,7 @@ def ours_run(spec: RunSpec, data: PreparedData, n_steps: int) -> tuple[list[floa
             times.append(time.perf_counter() - t0)
             losses.append(result.loss)
         steps.close()
+        trainer.monitors.close()  # uninstall the comm tap before the run directory goes
         del trainer, steps
     return times, losses
 

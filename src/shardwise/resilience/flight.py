@@ -71,8 +71,11 @@ class FlightRecorder:
 
     def _write_names(self) -> None:
         tmp = self.names_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"groups": list(self._groups), "ops": list(self._ops)}))
-        os.replace(tmp, self.names_path)
+        try:
+            tmp.write_text(json.dumps({"groups": list(self._groups), "ops": list(self._ops)}))
+            os.replace(tmp, self.names_path)
+        except OSError:  # diagnostics are best effort: never stop training over them
+            pass
 
     # --- what the rank does ------------------------------------------------------------------
     def progress(self, step: int, phase: str) -> None:
