@@ -1,5 +1,6 @@
-"""Sharded checkpoints: save/load of Stateful components, staged and renamed when complete."""
+"""Sharded checkpoints: save/load of Stateful components (synchronous or async), verified and
+committed atomically, on local disk or S3-compatible storage."""
 
-from shardwise.checkpoint.checkpointer import Checkpointer, ModelState
+from shardwise.checkpoint.checkpointer import Checkpointer, ModelState, SaveRecord
 
-__all__ = ["Checkpointer", "ModelState"]
+__all__ = ["Checkpointer", "ModelState", "SaveRecord"]

@@ -1,9 +1,20 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: RUN_DIR/checkpoints/step-000123/ holds the DCP shards (`*.distcp` + `.metadata`), one
-`rng/rank-NNNNN.pt` per rank, and `meta.json`, written last. Everything is first written under
-`step-000123.staging/` and renamed only when complete, so a directory named `step-*` without a
-suffix and with a `meta.json` is a complete checkpoint; anything else is ignored by the loader.
+Layout: ROOT/step-000123/ holds the DCP shards (`*.distcp` + `.metadata`), one
+`rng/rank-NNNNN.pt` per rank, the run manifest, and `meta.json` (per-file sizes and SHA-256),
+written last. ROOT is RUN_DIR/checkpoints or `checkpoint.uri` (a local directory or an S3 prefix);
+how a save is committed there — rename of a `.staging` directory on disk, meta.json last on object
+storage — is the storage layer's business (`shardwise.checkpoint.storage`). A `step-*` directory
+is loaded only if its meta.json exists and every file matches it.
+
+Async save (`checkpoint.async_save`): the step loop waits only while the state is copied to host
+memory; `dcp.async_save` then writes the shards from a background thread on a process group of its
+own (gloo), so its collectives never interleave with training collectives, and a second thread of
+ours finishes the job in the same order as a synchronous save — rng files, hashes, meta.json,
+commit, retention. One save is in flight at a time: the next save, every read of the checkpoints
+(find_valid, latest, load) and `wait()` at the end of the run first wait for it. A crash during
+the background write leaves an uncommitted save that is never loaded, exactly as a crash during a
+synchronous one.
 
 The checkpointer knows nothing of the insides of what it saves: it receives a dict of Stateful
 objects (model+optimizer, train state, data cursor) and calls their state_dict/load_state_dict.
@@ -12,13 +23,15 @@ objects (model+optimizer, train state, data cursor) and calls their state_dict/l
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
-import os
-import re
-import shutil
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +47,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.checkpoint.integrity import META, Verdict, hash_files, sizes_match, verify
+from shardwise.checkpoint.storage import (
+    Location,
+    Storage,
+    StorageSpec,
+    follow_location,
+    open_storage,
+    read_torch,
+    record_location,
+    torch_bytes,
+)
 from shardwise.errors import UserError
-from shardwise.utils.files import atomic_write_text
-
-_STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 class ModelState(Stateful):
@@ -94,108 +114,254 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def _step_of(path: Location) -> int:
+    return int(path.name.split("-")[1])
+
+
+@dataclass
+class SaveRecord:
+    """What one save cost, for the `checkpoint` event. `stall_s` is the time the step loop was
+    blocked (waiting for the previous save, staging, and for a synchronous save the whole save);
+    `write_s` the background part, from the end of staging to the commit (0 when synchronous), so
+    that stall + write is the save's whole time either way."""
+
+    step: int
+    path: Location
+    mode: str  # "sync" or "async"
+    stall_s: float
+    waited_s: float  # part of stall_s spent waiting for the previous save to finish
+    write_s: float = 0.0
+    bytes: int = 0
+    save_seconds: float = 0.0  # from the save call to the commit
+
+    def event_fields(self) -> dict[str, Any]:
+        return {"path": str(self.path), "mode": self.mode, "stall_s": round(self.stall_s, 4),
+                "waited_s": round(self.waited_s, 4), "write_s": round(self.write_s, 4),
+                "bytes": self.bytes, "save_seconds": round(self.save_seconds, 4)}
+
+
+@dataclass
+class _Pending:
+    record: SaveRecord
+    on_committed: Callable[[SaveRecord], None] | None
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class Checkpointer:
     def __init__(self, root: Path, rank: int, distributed: bool, keep_last: int = 0,
-                 keep_every: int = 0) -> None:
-        self.root = root
+                 keep_every: int = 0, *, storage: Storage | None = None, async_save: bool = False,
+                 timeout_s: float = 300.0) -> None:
+        """`root` is RUN_DIR/checkpoints; without `storage`, the checkpoints are wherever that
+        directory's location.json says (see `for_run`), else in it."""
+        self.storage = storage if storage is not None else follow_location(root)
+        self.root: Location = self.storage.root
         self.rank = rank
         self.distributed = distributed
         self.world = dist.get_world_size() if distributed else 1
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.async_save = async_save
+        self._pending: _Pending | None = None
+        # A gloo group of its own (collective to create: every rank builds its Checkpointer at the
+        # same point): background save collectives never interleave with training ones.
+        self.group: dist.ProcessGroup | None = None
+        if distributed and async_save:
+            self.group = _new_gloo_group(timeout_s)
+
+    @classmethod
+    def for_run(cls, local_root: Path, section: Any, rank: int, distributed: bool,
+                timeout_s: float = 300.0) -> Checkpointer:
+        """The checkpointer a run's CheckpointSection describes. Rank 0 records a location other
+        than `local_root` in local_root/location.json, so that code knowing only the run
+        directory (restart detection, `train --resume`) finds the checkpoints."""
+        spec = StorageSpec.from_section(section)
+        storage = open_storage(spec, local_root)
+        if rank == 0:
+            local_root.mkdir(parents=True, exist_ok=True)
+            record_location(spec, storage, local_root)
+        return cls(local_root, rank, distributed, section.keep_last, section.keep_every,
+                   storage=storage, async_save=section.async_save, timeout_s=timeout_s)
 
     def _barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
+    # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, components: dict[str, Any], meta: dict[str, Any],
-             attach: tuple[Path, ...] = (), on_written: Callable[[], None] | None = None) -> Path:
-        """Write a complete checkpoint for `step` (collective: every rank calls it). Files in
-        `attach` (the run manifest) are copied in by rank 0 before the checkpoint is committed."""
-        final = self.root / step_dir_name(step)
-        staging = self.root / f"{step_dir_name(step)}.staging"
+             attach: tuple[Path, ...] = (), on_written: Callable[[], None] | None = None,
+             on_committed: Callable[[SaveRecord], None] | None = None) -> Location:
+        """Write a complete checkpoint for `step` (collective: every rank calls it) and return
+        the path it has (async: will have) once committed. Files in `attach` (the run manifest)
+        are copied in by rank 0. `on_written` runs once this rank's files are written and
+        nothing is committed (fault drills); `on_committed(record)` runs in the calling thread
+        after the commit — at once for a synchronous save, at the next save or `wait()` for an
+        asynchronous one."""
         t0 = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t0
+        final = self.root / step_dir_name(step)
+        staging = self.storage.staging(final)
         if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            self.storage.prepare(staging, final)
         self._barrier()
         state = {name: _wrap(obj) for name, obj in components.items()}
-        with _quiet_single_process(self.distributed):
-            dcp.save(state, checkpoint_id=str(staging), no_dist=not self.distributed)
-        (staging / "rng").mkdir(exist_ok=True)
-        _save_synced(rng_state(), staging / "rng" / f"rank-{self.rank:05d}.pt")
-        if on_written is not None:  # shards written, nothing committed yet (fault drills)
-            on_written()
+        extra = {f"rng/rank-{self.rank:05d}.pt": torch_bytes(rng_state())}
         if self.rank == 0:
-            for path in attach:
-                shutil.copy2(path, staging / path.name)
-        self._barrier()
-        files = hash_files(staging, self.rank, self.world, self.distributed)
-        if self.rank == 0:
-            meta = {**meta, "step": step, "save_seconds": round(time.perf_counter() - t0, 4),
-                    "files": files}
-            # meta.json last: a directory without it is never loaded
-            atomic_write_text(staging / META, json.dumps(meta, indent=2, sort_keys=True))
-            if final.exists():  # the same step saved again (e.g. stop_at == a cadence step)
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            _fsync_dir(self.root)
-            self._prune(step)
-        self._barrier()
+            extra.update({path.name: path.read_bytes() for path in attach})
+        record = SaveRecord(step, final, "async" if self.async_save else "sync", 0.0, waited)
+        pending = _Pending(record, on_committed)
+        if not self.async_save:
+            t_write = time.perf_counter()
+            with _quiet_single_process(self.distributed):
+                dcp.save(state, storage_writer=self.storage.writer(staging),
+                         no_dist=not self.distributed)
+            self._finish(pending, None, staging, final, meta, extra, on_written, t0, t_write)
+            record.stall_s = time.perf_counter() - t0
+            self._pending = pending
+            self.wait()
+            return final
+        future = dcp.async_save(state, storage_writer=self.storage.writer(staging),
+                                process_group=self.group, **_single_process_kwargs(self.distributed))
+        t_write = time.perf_counter()
+        record.stall_s = t_write - t0
+        pending.thread = threading.Thread(
+            target=self._finish, name=f"checkpoint-step-{step}", daemon=True,
+            args=(pending, future, staging, final, meta, extra, on_written, t0, t_write))
+        self._pending = pending
+        pending.thread.start()
         return final
+
+    def _finish(self, pending: _Pending, future: Any, staging: Location, final: Location,
+                meta: dict[str, Any], extra: dict[str, bytes], on_written: Callable[[], None] | None,
+                t0: float, t_write: float) -> None:
+        """After the shards: this rank's small files, then hashes of every file (ranks in
+        parallel), meta.json last and the commit (rank 0), retention. The background thread of
+        an async save; inline for a synchronous one. Errors are kept for `wait()`."""
+        try:
+            if future is not None:
+                future.result()
+            for name, data in extra.items():
+                self.storage.write_file(staging / name, data)
+            if on_written is not None:  # shards written, nothing committed yet (fault drills)
+                on_written()
+            self._barrier()
+            files = hash_files(staging, self.rank, self.world, self.distributed, self.group)
+            record = pending.record
+            if self.rank == 0:
+                meta = {**meta, "step": record.step,
+                        "save_seconds": round(time.perf_counter() - t0, 4), "files": files}
+                self.storage.commit(staging, final, json.dumps(meta, indent=2, sort_keys=True))
+                self._prune(record.step)
+            self._barrier()
+            record.bytes = sum(int(f["size"]) for f in files.values())
+            record.write_s = time.perf_counter() - t_write if future is not None else 0.0
+            record.save_seconds = time.perf_counter() - t0
+        except BaseException as err:  # handed to wait(), which re-raises it
+            if future is None:
+                raise
+            pending.error = err
+
+    def wait(self) -> SaveRecord | None:
+        """Finish the save in flight, if any: wait for its commit, run its `on_committed`, and
+        re-raise what went wrong in the background. Call before the process exits."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        if pending.thread is not None:
+            pending.thread.join()
+        if pending.error is not None:
+            error = pending.error
+            error.add_note(f"(while saving checkpoint {pending.record.path} in the background; "
+                           "it was not committed and will never be loaded)")
+            raise error
+        if pending.on_committed is not None:
+            pending.on_committed(pending.record)
+        return pending.record
+
+    def close(self, pause: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+              ) -> None:
+        """`wait()` at the end of a run, normal or not, inside `pause()` (the hang watchdog steps
+        aside: a write may legitimately take long). On the way out of an exception the save in
+        flight still gets to commit — its data is good, it was staged before the failure — and a
+        failure of its own does not mask the exception already propagating. Call it while the
+        run's comm tap is still installed: the background save's collectives go through it."""
+        failing = sys.exc_info()[1] is not None
+        try:
+            with pause() if pause is not None and self.in_flight else contextlib.nullcontext():
+                self.wait()
+        except Exception:
+            if not failing:
+                raise
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
 
     def _prune(self, newest: int) -> None:
         """Retention: keep the last `keep_last` checkpoints and every `keep_every`-th step."""
         if self.keep_last <= 0:
             return
-        steps = sorted(int(p.name.split("-")[1]) for p in self.root.iterdir()
-                       if _STEP_DIR.match(p.name))
+        steps = sorted(_step_of(p) for p in self.storage.step_dirs())
         keep = set(steps[-self.keep_last:]) | {newest}
         for step in steps:
             if step not in keep and not (self.keep_every and step % self.keep_every == 0):
-                shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+                self.storage.remove(self.root / step_dir_name(step))
 
-    def candidates(self) -> list[Path]:
+    # --- find and load -------------------------------------------------------------------------
+    def candidates(self) -> list[Location]:
         """Checkpoint directories named step-NNNNNN, newest first (complete or not)."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+        self.wait()
+        return sorted(self.storage.step_dirs(), key=_step_of, reverse=True)
 
-    def find_valid(self) -> tuple[Path | None, list[Verdict]]:
+    def find_valid(self) -> tuple[Location | None, list[Verdict]]:
         """The newest checkpoint whose every file matches its recorded size and SHA-256, and the
         verdicts of the newer ones that did not (collective: ranks hash in parallel)."""
         rejected: list[Verdict] = []
         for path in self.candidates():
-            verdict = verify(path, self.rank, self.world, self.distributed)
+            verdict = verify(path, self.rank, self.world, self.distributed, self.group)
             if verdict.valid:
                 return path, rejected
             rejected.append(verdict)
         return None, rejected
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Location | None:
         """Newest checkpoint whose meta.json lists files of the right sizes (no hashing)."""
         return next((p for p in self.candidates() if sizes_match(p)), None)
 
-    def load(self, path: Path, components: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: Location, components: dict[str, Any]) -> dict[str, Any]:
         """Restore every component from `path` in place; return its meta."""
-        meta_path = path / META
-        if not meta_path.is_file():
+        self.wait()
+        try:
+            meta_text = (path / META).read_text()
+        except FileNotFoundError:
             raise UserError(f"{path} is not a complete checkpoint (no {META}); it may be a "
-                            "save that was interrupted. Resume from an earlier checkpoint.")
+                            "save that was interrupted. Resume from an earlier checkpoint.") from None
         state = {name: _wrap(obj) for name, obj in components.items()}
         with _quiet_single_process(self.distributed):
-            dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
-        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
-        if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        return json.loads(meta_path.read_text())
+            dcp.load(state, storage_reader=self.storage.reader(path),
+                     process_group=self.group, no_dist=not self.distributed)
+        # a rank that did not exist at the saving world size keeps its seeded state
+        with contextlib.suppress(FileNotFoundError):
+            set_rng_state(read_torch(path / "rng" / f"rank-{self.rank:05d}.pt"))
+        return json.loads(meta_text)
 
 
-def _save_synced(obj: Any, path: Path) -> None:
-    with path.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _new_gloo_group(timeout_s: float) -> dist.ProcessGroup:
+    kwargs: dict[str, Any] = {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
+    if "group_desc" in inspect.signature(dist.new_group).parameters:
+        kwargs["group_desc"] = "checkpoint"
+    return dist.new_group(**kwargs)
+
+
+def _single_process_kwargs(distributed: bool) -> dict[str, Any]:
+    """`no_dist=True` for a process without a group, on torch versions whose async_save has it
+    (older ones infer it). DCP then warns from its background thread, where a `catch_warnings`
+    block cannot reach (it is not thread-safe), so that one message is filtered process-wide."""
+    if distributed:
+        return {}
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                            "uninitialized, assuming the intent is to save in a single process")
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters else {}
 
 
 @contextlib.contextmanager
@@ -222,11 +388,3 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

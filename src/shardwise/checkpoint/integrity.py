@@ -3,7 +3,8 @@
 Hashing is split across ranks (file i to rank i mod world) both when a checkpoint is written and
 when it is verified, so a large checkpoint costs each rank only its share. A checkpoint whose
 files do not match — truncated, bit-flipped, missing — is reported by file, and the loader falls
-back to the newest checkpoint that does match.
+back to the newest checkpoint that does match. Directories are `Location`s (a local path or an
+object-store prefix, see `shardwise.checkpoint.storage`); listing and reading go through it.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-META = "meta.json"
+from shardwise.checkpoint.storage import META, Location, list_files
+
+__all__ = ["META", "Verdict", "checkpoint_files", "hash_files", "sha256_file", "sizes_match", "verify"]
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Location) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -27,39 +29,40 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def checkpoint_files(directory: Path) -> list[str]:
+def checkpoint_files(directory: Location) -> list[str]:
     """Every file of a checkpoint except meta.json itself, as sorted relative paths."""
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and p.name != META)
+    return sorted(list_files(directory))
 
 
 def _share(items: list[str], rank: int, world: int) -> list[str]:
     return [item for i, item in enumerate(items) if i % world == rank]
 
 
-def _gather(local: dict[str, Any], distributed: bool) -> dict[str, Any]:
+def _gather(local: dict[str, Any], distributed: bool, group: dist.ProcessGroup | None = None
+            ) -> dict[str, Any]:
     if not distributed:
         return local
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
     merged: dict[str, Any] = {}
     for part in parts:
         merged.update(part)
     return merged
 
 
-def hash_files(directory: Path, rank: int, world: int, distributed: bool) -> dict[str, Any]:
-    """{relative path: {size, sha256}} for every file, each rank hashing its share (collective)."""
-    files = checkpoint_files(directory)
-    local = {name: {"size": (directory / name).stat().st_size,
-                    "sha256": sha256_file(directory / name)}
-             for name in _share(files, rank, world)}
-    return _gather(local, distributed)
+def hash_files(directory: Location, rank: int, world: int, distributed: bool,
+               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """{relative path: {size, sha256}} for every file, each rank hashing its share (collective
+    over `group`, the default group when None)."""
+    sizes = list_files(directory)
+    local = {name: {"size": sizes[name], "sha256": sha256_file(directory / name)}
+             for name in _share(sorted(sizes), rank, world)}
+    return _gather(local, distributed, group)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    path: Path
+    path: Location
     problems: tuple[str, ...]
 
     @property
@@ -67,8 +70,9 @@ class Verdict:
         return not self.problems
 
 
-def verify(directory: Path, rank: int, world: int, distributed: bool) -> Verdict:
-    """Check every file listed in meta.json (collective when distributed)."""
+def verify(directory: Location, rank: int, world: int, distributed: bool,
+           group: dist.ProcessGroup | None = None) -> Verdict:
+    """Check every file listed in meta.json (collective over `group` when distributed)."""
     meta_path = directory / META
     try:
         expected = json.loads(meta_path.read_text())["files"]
@@ -77,25 +81,26 @@ def verify(directory: Path, rank: int, world: int, distributed: bool) -> Verdict
     except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
         return Verdict(directory, (f"{META} is unreadable ({err})",))
     names = sorted(expected)
+    present = list_files(directory)
     local: dict[str, str] = {}
     for name in _share(names, rank, world):
-        path, want = directory / name, expected[name]
-        if not path.is_file():
+        want = expected[name]
+        if name not in present:
             local[name] = "is missing"
-        elif path.stat().st_size != want["size"]:
-            local[name] = (f"has {path.stat().st_size} bytes, expected {want['size']} "
+        elif present[name] != want["size"]:
+            local[name] = (f"has {present[name]} bytes, expected {want['size']} "
                            "(truncated or overwritten)")
-        elif sha256_file(path) != want["sha256"]:
+        elif sha256_file(directory / name) != want["sha256"]:
             local[name] = "has the wrong SHA-256 (its bytes changed after the save)"
-    problems = _gather(local, distributed)
+    problems = _gather(local, distributed, group)
     return Verdict(directory, tuple(f"{name} {problems[name]}" for name in sorted(problems)))
 
 
-def sizes_match(directory: Path) -> bool:
+def sizes_match(directory: Location) -> bool:
     """The cheap check (no hashing): meta.json readable and every listed file has its size."""
     try:
         expected = json.loads((directory / META).read_text())["files"]
     except (OSError, json.JSONDecodeError, KeyError, UnicodeDecodeError):
         return False
-    return all((directory / n).is_file() and (directory / n).stat().st_size == w["size"]
-               for n, w in expected.items())
+    present = list_files(directory)
+    return all(present.get(n) == w["size"] for n, w in expected.items())

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import STARTED_AT, __version__
-from shardwise.checkpoint import Checkpointer, ModelState
+from shardwise.checkpoint import Checkpointer, ModelState, SaveRecord
 from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
 from shardwise.errors import UserError
@@ -113,8 +113,8 @@ class Trainer:
         self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
                                      spec.eval.batches, ctx.dp_rank, ctx.device)
         self.state = TrainState()
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", ctx.rank, ctx.distributed,
-                                         spec.checkpoint.keep_last, spec.checkpoint.keep_every)
+        self.checkpointer = Checkpointer.for_run(run_dir / "checkpoints", spec.checkpoint, ctx.rank,
+                                                 ctx.distributed, spec.parallel.timeout_s)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
         self.hooks = [
@@ -213,6 +213,7 @@ class Trainer:
         try:
             self._loop()
         finally:
+            self.checkpointer.close(self.monitors.paused)  # an async save in flight commits first
             self.monitors.close()
         self.summary.final_step = self.state.step
         self.ledger.close()
@@ -372,17 +373,20 @@ def _eval_hook(trainer: Trainer, result: StepResult) -> None:
 
 
 def _checkpoint_hook(trainer: Trainer, result: StepResult) -> None:
-    t0 = time.perf_counter()
     spec = trainer.spec
     meta = {"layout": trainer.ctx.dims.describe(), "world_size": trainer.ctx.world_size,
             "mesh": trainer.ctx.dims.mesh_shape, "spec_digest": spec.digest(),
             "shardwise_version": __version__, "torch_version": torch.__version__,
             "consumed_samples": trainer.train_data.consumed_samples}
+
+    def committed(record: SaveRecord) -> None:  # async: at the next save or at the end of fit
+        trainer.faults.after_checkpoint(record.step, record.path)
+        trainer.events.emit("checkpoint", record.step, **record.event_fields())
+
+    # the checkpoint-write fault fires once this rank's files are written and nothing is committed
+    # (async: in the background, while the step loop has moved on)
     path = trainer.checkpointer.save(
         result.step, trainer.components(), meta, attach=(trainer.run_dir / manifest.MANIFEST,),
-        on_written=lambda: trainer.faults.at("checkpoint-write", result.step))
-    trainer.faults.after_checkpoint(result.step, path)
+        on_written=lambda: trainer.faults.at("checkpoint-write", result.step),
+        on_committed=committed)
     trainer.summary.checkpoint = str(path)
-    trainer.events.emit("checkpoint", result.step, path=str(path),
-                        save_seconds=round(time.perf_counter() - t0, 4))
-

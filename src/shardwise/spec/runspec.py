@@ -298,17 +298,49 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Sharded checkpoints under RUN_DIR/checkpoints/step-NNNNNN/."""
+    """Sharded checkpoints under RUN_DIR/checkpoints/step-NNNNNN/ (or `uri`/step-NNNNNN/)."""
 
     every: int = 0  # 0 -> only at the end of the run
     enabled: bool = True
     keep_last: int = 3  # retention: the newest N checkpoints (0 keeps all) ...
     keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this (0: none)
+    # The step loop waits only for the copy to host memory; the write and commit run in the
+    # background (one save in flight at a time). False: the loop waits for the whole save.
+    async_save: bool = True
+    # Where checkpoints go: "" -> RUN_DIR/checkpoints; a local directory; or s3://BUCKET/PREFIX
+    # (S3-compatible storage through s3fs: pip install 'shardwise[s3]'). One prefix per run.
+    uri: str = ""
+    # S3 only. Credentials never go here (the spec is copied into every checkpoint): they come from
+    # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the profile named below.
+    endpoint_url: str = ""  # an S3-compatible server (MinIO, Ceph...); "" -> $AWS_ENDPOINT_URL or AWS
+    region: str = ""  # "" -> $AWS_REGION / $AWS_DEFAULT_REGION
+    profile: str = ""  # a profile of ~/.aws/credentials; "" -> environment, then the default chain
 
     def validate(self) -> None:
         _at_least("checkpoint.every", self.every, 0)
         _at_least("checkpoint.keep_last", self.keep_last, 0)
         _at_least("checkpoint.keep_every", self.keep_every, 0)
+        scheme, sep, rest = self.uri.strip().partition("://")
+        if sep and scheme not in ("s3", "file"):
+            raise SpecError(f"checkpoint.uri = {self.uri!r}: the scheme {scheme!r} is not "
+                            "supported. Use s3://BUCKET/PREFIX for S3-compatible storage, a local "
+                            "directory, or \"\" for RUN_DIR/checkpoints.")
+        if scheme == "s3" and sep:
+            bucket = rest.split("/", 1)[0]
+            if "@" in bucket or ":" in bucket:
+                raise SpecError(f"checkpoint.uri = {self.uri!r} carries credentials or a port; "
+                                "write s3://BUCKET/PREFIX, put the server in checkpoint.endpoint_url "
+                                "and the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+            if not bucket:
+                raise SpecError(f"checkpoint.uri = {self.uri!r} names no bucket; write "
+                                "s3://BUCKET/PREFIX.")
+        if (self.endpoint_url or self.region or self.profile) and not (sep and scheme == "s3"):
+            raise SpecError("checkpoint.endpoint_url, region and profile apply to s3:// URIs only; "
+                            f"checkpoint.uri is {self.uri!r}. Set checkpoint.uri = "
+                            "\"s3://BUCKET/PREFIX\" or clear them.")
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise SpecError(f"checkpoint.endpoint_url = {self.endpoint_url!r} must start with "
+                            "http:// or https:// (e.g. http://127.0.0.1:9000).")
 
 
 @dataclass(frozen=True)
