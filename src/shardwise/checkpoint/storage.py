@@ -183,13 +183,8 @@ Location = Path | RemotePath
 class Storage:
     """A local directory of checkpoints (the default). Subclasses override what differs."""
 
-    renames = True
-
     def __init__(self, root: Path) -> None:
         self.root: Location = root
-
-    def describe(self) -> str:
-        return str(self.root)
 
     def staging(self, final: Location) -> Location:
         """Where a save writes before it is committed to `final`."""
@@ -246,16 +241,10 @@ class ObjectStorage(Storage):
     """Checkpoints under an S3-compatible prefix, through fsspec/s3fs (see the module docstring
     for why meta.json written last, and not a rename, is the commit)."""
 
-    renames = False
-
     def __init__(self, uri: str, fs: Any, storage_options: dict[str, Any]) -> None:
         scheme, _, key = uri.partition("://")
         self.uri, self.fs, self.storage_options = uri, fs, storage_options
         self.root = RemotePath(fs, key, scheme)
-
-    def describe(self) -> str:
-        endpoint = self.storage_options.get("endpoint_url")
-        return f"{self.uri}" + (f" (endpoint {endpoint})" if endpoint else "")
 
     def staging(self, final: Location) -> Location:
         return final  # no rename: meta.json written last is the commit
@@ -400,6 +389,7 @@ def s3_options(spec: StorageSpec) -> dict[str, Any]:
     $AWS_ENDPOINT_URL (botocore reads them too; naming it here lets errors say which one)."""
     options: dict[str, Any] = {
         "use_listings_cache": False,  # other ranks and processes write the same prefixes
+        "skip_instance_cache": True,  # credentials are read when a client is made, not cached
         "config_kwargs": {"connect_timeout": 10, "read_timeout": 120,
                           "retries": {"max_attempts": 3, "mode": "standard"}},
     }
