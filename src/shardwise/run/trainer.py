@@ -38,8 +38,8 @@ from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.step import StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
-from shardwise.telemetry.perf import perf_of
 from shardwise.telemetry.comm_theory import min_wire_bytes
+from shardwise.telemetry.perf import RunPerf
 from shardwise.utils.files import atomic_write_text
 
 
@@ -97,7 +97,6 @@ class Trainer:
         check_layout(spec, ctx.dims, data.vocab_size, self.layout.accumulation)
         model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
         self.num_params = model.num_params()
-        self.flops_per_token = model.flops_per_token()
         self.model = parallelize(model, ctx, spec, self.layout.accumulation)
         self.optimizers = Optimizers(self.model, spec.optimizer)
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
@@ -125,6 +124,7 @@ class Trainer:
         ]
         self._step_times: list[float] = []
         self.gather = gather_rows(ctx)
+        self._perf: RunPerf | None = None
         self._start_step = 0
         self._state_logged = False
         self._bad_steps = 0
@@ -171,6 +171,14 @@ class Trainer:
         self.lineage = manifest.lineage_after_resume(checkpoint)
         self.events.emit("resume", self.state.step, path=str(checkpoint),
                          from_layout=meta.get("layout"), from_world_size=meta.get("world_size"))
+
+    @property
+    def perf(self) -> RunPerf:
+        """FLOPs/MFU, memory and bubble figures; built at first use (a collective: the ranks
+        agree on the peak FLOP/s), which is the start of `fit` on every rank."""
+        if self._perf is None:
+            self._perf = RunPerf(self)
+        return self._perf
 
     @property
     def stop_step(self) -> int:
@@ -293,7 +301,7 @@ class Trainer:
             "run_start", self.state.step, version=__version__, layout=self.ctx.dims.describe(),
             world_size=self.ctx.world_size, mesh=self.ctx.dims.mesh_shape,
             device=str(self.ctx.device), threads=torch.get_num_threads(),
-            model_params=self.num_params, **perf_of(self).start_fields(),
+            model_params=self.num_params, **self.perf.start_fields(),
             zero=self.ctx.dims.zero, accumulation=self.layout.accumulation,
             tokens_per_step=self.layout.global_batch * self.spec.data.seq_len,
             unigram_loss=self.data.unigram_val_loss)
@@ -301,7 +309,7 @@ class Trainer:
     def _write_manifest(self) -> None:
         """Collective: gathers every rank's host and device (and agrees on the peak FLOP/s), then
         rank 0 writes the manifest."""
-        perf = perf_of(self)
+        perf = self.perf
         hosts: list[Any] = [manifest.host_info(self.ctx.device)]
         if self.ctx.distributed:
             hosts = [None] * self.ctx.world_size
@@ -359,7 +367,10 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
         "step", result.step, **extra, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
         tokens_per_s=result.tokens / step_time,
         samples_per_s=trainer.layout.global_batch / step_time, **window,
-        **perf_of(trainer).on_log(trainer, result, step_time),
+        # each data-parallel replica's share of the tokens over that rank's own step time
+        tokens_per_s_per_rank=[round(result.tokens / trainer.ctx.dims.dp / t, 1)
+                               for t in window["step_time_s_per_rank"]],
+        **trainer.perf.on_log(trainer, result, step_time),
         tokens_seen=trainer.state.tokens_seen, eta_s=remaining * statistics.mean(recent),
         straggler=trainer.monitors.current_straggler or None)
 

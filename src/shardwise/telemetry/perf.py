@@ -25,18 +25,6 @@ if TYPE_CHECKING:
     from shardwise.run.step import StepResult
     from shardwise.run.trainer import Trainer
 
-_ATTR = "_perf_telemetry"
-
-
-def perf_of(trainer: Trainer) -> RunPerf:
-    """The trainer's RunPerf, built on first use (a collective: it agrees on the peak)."""
-    perf = trainer.__dict__.get(_ATTR)
-    if perf is None:
-        perf = RunPerf(trainer)
-        setattr(trainer, _ATTR, perf)
-    return perf
-
-
 def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
     """The model family's FLOP facts (None for a family that does not report them)."""
     model = unwrap(trainer.model.parts[0])
