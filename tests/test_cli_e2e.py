@@ -58,6 +58,9 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     evs = events(run_dir)
     resume = next(e for e in evs if e["kind"] == "resume")
     assert resume["step"] == 4 and resume["path"].endswith("step-000004")
+    meta = json.loads((run_dir / "checkpoints" / "step-000004" / "meta.json").read_text())
+    assert resume["bytes"] == sum(f["size"] for f in meta["files"].values()) > 0
+    assert resume["load_s"] > 0 and resume["load_bytes_per_s"] > 0
     assert [e["step"] for e in evs if e["kind"] == "step"] == [2, 4, 6]
     assert (run_dir / "checkpoints" / "step-000006" / "meta.json").is_file()
 

@@ -4,6 +4,7 @@ same calls, and the per-rank trace."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,19 @@ def _fsdp_counts(store: Any) -> dict[str, Any]:
             with counter:
                 model(torch.randn(4, 16)).sum().backward()
             step = tap.end_step()
+            # a collective from another thread (as the background checkpoint writer issues):
+            # counted apart, never in the training step
+            tap.begin_step(2)
+            worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(4)))
+            worker.start()
+            worker.join()
+            other = tap.end_step()
         finally:
             tap.uninstall()
         return {"tap": {k.split(":")[0]: v.bytes for k, v in step.by_op.items()},
-                "dispatch": counter.bytes, "inflight": step.inflight_s}
+                "dispatch": counter.bytes, "inflight": step.inflight_s,
+                "background": {k.split(":")[0]: v.bytes for k, v in tap.background.items()},
+                "other_step_bytes": other.bytes}
     finally:
         dist.destroy_process_group()
 
@@ -113,6 +123,7 @@ def test_tap_matches_an_independent_dispatcher_count_for_fsdp():
         assert dispatch["all_gather"] == 2 * params * 1.5, (tap, dispatch)
         assert dispatch["reduce_scatter"] == params * 1.5, (tap, dispatch)
         assert result["inflight"] > 0
+        assert result["background"] == {"all_reduce": 16} and result["other_step_bytes"] == 0
 
 
 def test_wire_factors_and_union():

@@ -167,10 +167,15 @@ class Trainer:
         rundir.check_steps_left(self.run_dir, self.state.step, self.spec)
 
     def resume(self, checkpoint: Path) -> None:
+        t0 = time.perf_counter()
         meta = self.checkpointer.load(checkpoint, self.components())
+        seconds = time.perf_counter() - t0
+        size = sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())
         self.lineage = manifest.lineage_after_resume(checkpoint)
         self.events.emit("resume", self.state.step, path=str(checkpoint),
-                         from_layout=meta.get("layout"), from_world_size=meta.get("world_size"))
+                         from_layout=meta.get("layout"), from_world_size=meta.get("world_size"),
+                         load_s=round(seconds, 4), bytes=size,
+                         load_bytes_per_s=round(size / seconds) if seconds > 0 else None)
 
     @property
     def perf(self) -> RunPerf:

@@ -11,6 +11,8 @@ numerically the same as DDP's default (divide by the group size, then sum).
 What a call costs here: two clock reads, a few dict updates and, when a flight recorder is
 attached, one fixed-size record written into a memory-mapped file (see
 `shardwise.resilience.flight`), so every rank's last collectives survive a crash or a hang.
+Only the thread that installed the tap (the training loop) is counted per step and recorded;
+calls from other threads — the background checkpoint writer — go to `CommTap.background`.
 
 Bytes are the size of the buffer the collective works on, the convention of nccl-tests' "size":
 all-reduce, broadcast, send/recv: the tensor; all-gather: the gathered output; reduce-scatter and
@@ -162,6 +164,10 @@ class CommTap:
         self._step: StepComm = StepComm()
         self._intervals: list[list[float]] = []  # [start, end or inf] of this step's calls
         self.totals: dict[str, OpTotals] = {}  # the whole run
+        # Calls from other threads (the background checkpoint writer's collectives, on its own
+        # group): counted here only — not in the training step, not as watchdog progress.
+        self.background: dict[str, OpTotals] = {}
+        self._owner = threading.get_ident()
         self._sizes: dict[str, int] = {}
         self.step = 0
 
@@ -260,6 +266,8 @@ class CommTap:
               nbytes: int, wire: float | None = None) -> Any:
         name = _group_name(group)
         axis = self.axes.get(name, name)
+        if threading.get_ident() != self._owner:
+            return self._background_call(original, args, kwargs, f"{op}:{axis}", nbytes)
         if wire is None:
             size = self._sizes.get(name)
             if size is None:
@@ -296,6 +304,17 @@ class CommTap:
                 work.get_future().add_done_callback(finished)
             except (RuntimeError, AttributeError):  # a Work without a future: count the call
                 finished(None)
+        return result
+
+    def _background_call(self, original: Callable, args: tuple, kwargs: dict, key: str,
+                         nbytes: int) -> Any:
+        t0 = time.perf_counter()
+        result = original(*args, **kwargs)
+        with self._lock:
+            totals = self.background.setdefault(key, OpTotals())
+            totals.calls += 1
+            totals.bytes += nbytes
+            totals.time_s += time.perf_counter() - t0  # the call (async ones: until issued)
         return result
 
     def _done(self, op: str, axis: str, nbytes: int, wire: float, t0: float, t1: float,
