@@ -101,5 +101,6 @@ def _print_summary(run_dir: Path) -> None:
                      f"{end['unigram_loss']:.4f}")
     if end.get("sample"):
         lines.append("sample:\n" + end["sample"])
-    lines.append(f"outputs: {run_dir}/ (spec.toml, metrics.jsonl, tb/, checkpoints/)")
+    lines.append(f"outputs: {run_dir}/ (spec.toml, metrics.jsonl, tb/, checkpoints/, trace/); "
+                 f"plots: shardwise report {run_dir}")
     print("\n".join(lines))
