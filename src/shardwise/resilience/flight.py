@@ -26,6 +26,8 @@ MAGIC = b"SWFR0001"
 HEADER = struct.Struct("<8siiqiiddq")  # magic rank world pid step phase t_progress t_start count
 RECORD = struct.Struct("<qqiiqiidd")  # seq gseq group op bytes step state t_issue t_done
 _STATE_AT, _DONE_AT = 36, 48  # byte offsets of `state` and `t_done` in a record
+_PROGRESS_AT, _COUNT_AT = 32, 48  # byte offsets of `t_progress` and `count` in the header
+_SEQ, _STATE, _TIME = struct.Struct("<q"), struct.Struct("<i"), struct.Struct("<d")
 CAPACITY = 256
 PHASES = ("idle", "data", "forward", "backward", "optimizer", "checkpoint-write", "checkpoint",
           "eval", "hook")
@@ -91,20 +93,21 @@ class FlightRecorder:
         slot = self.count % CAPACITY
         seq = self.count
         self.count += 1
+        now = time.time()
         RECORD.pack_into(self._map, HEADER.size + slot * RECORD.size, seq, gseq, group_index,
-                         self._index(self._ops, op), nbytes, step, ISSUED, time.time(), 0.0)
-        self._header(time.time())
+                         self._index(self._ops, op), nbytes, step, ISSUED, now, 0.0)
+        _TIME.pack_into(self._map, _PROGRESS_AT, now)  # the hot path writes two header fields,
+        _SEQ.pack_into(self._map, _COUNT_AT, self.count)  # not the whole header
         return seq
 
     def complete(self, seq: int) -> None:
         offset = HEADER.size + (seq % CAPACITY) * RECORD.size
-        if RECORD.unpack_from(self._map, offset)[0] != seq:
+        if _SEQ.unpack_from(self._map, offset)[0] != seq:
             return  # overwritten by newer records: nothing to mark
         now = time.time()
-        struct.pack_into("<i", self._map, offset + _STATE_AT, DONE)
-        struct.pack_into("<d", self._map, offset + _DONE_AT, now)
-        HEADER.pack_into(self._map, 0, MAGIC, self.rank, self.world, os.getpid(), self.step,
-                         self.phase, now, self.t_start, self.count)
+        _STATE.pack_into(self._map, offset + _STATE_AT, DONE)
+        _TIME.pack_into(self._map, offset + _DONE_AT, now)
+        _TIME.pack_into(self._map, _PROGRESS_AT, now)
 
     def last_progress(self) -> float:
         return HEADER.unpack_from(self._map, 0)[6]

@@ -231,10 +231,8 @@ class CommTap:
             if getattr(tap._local, "depth", 0):
                 return original(*args, **kwargs)  # a collective inside a counted one
             group = _arg(args, kwargs, gpos, "group")
-            nbytes = extract(args, kwargs)
-            if gathered_by_size:
-                nbytes *= _group_size(group)
-            return tap._call(original, args, kwargs, op, group, nbytes)
+            return tap._call(original, args, kwargs, op, group, extract(args, kwargs),
+                             gathered=gathered_by_size)
 
         wrapper.__shardwise_tap__ = True  # type: ignore[attr-defined]
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
@@ -263,15 +261,18 @@ class CommTap:
 
     # --- one call ------------------------------------------------------------------------------
     def _call(self, original: Callable, args: tuple, kwargs: dict, op: str, group: Any,
-              nbytes: int, wire: float | None = None) -> Any:
+              nbytes: int, wire: float | None = None, gathered: bool = False) -> Any:
+        """`gathered`: `nbytes` is one rank's input of an all-gather whose output is counted."""
         name = _group_name(group)
         axis = self.axes.get(name, name)
+        size = self._sizes.get(name)
+        if size is None:
+            size = self._sizes[name] = _group_size(group)
+        if gathered:
+            nbytes *= size
         if threading.get_ident() != self._owner:
             return self._background_call(original, args, kwargs, f"{op}:{axis}", nbytes)
         if wire is None:
-            size = self._sizes.get(name)
-            if size is None:
-                size = self._sizes[name] = _group_size(group)
             wire = nbytes * wire_factor(op, size)
         label = f"{axis} (group {name})" if axis != name else f"group {name}"
         slot = self.recorder.issue(op, label, nbytes, self.step) if self.recorder else None
@@ -361,11 +362,13 @@ def ddp_comm_hook(group: dist.ProcessGroup | None) -> Callable:
 
 
 def _is_work(x: Any) -> bool:
-    return hasattr(x, "wait") and hasattr(x, "get_future") and not isinstance(x, torch.Tensor)
+    return not isinstance(x, torch.Tensor) and hasattr(x, "wait") and hasattr(x, "get_future")
 
 
 def _works(result: Any) -> list | None:
     """The Work handles of an asynchronous call (None when the call was synchronous)."""
+    if result is None or isinstance(result, torch.Tensor):  # the common cases, first
+        return None
     if _is_work(result):
         return [result]
     if isinstance(result, list) and result and all(_is_work(w) for w in result):
@@ -401,6 +404,14 @@ def _resolve(group: Any) -> dist.ProcessGroup | None:
 
 
 def _group_name(group: Any) -> str:
+    if isinstance(group, str):  # functional collectives name their group
+        return group
+    if isinstance(group, tuple) and len(group) == 2:  # (mesh, dim): DTensor's form, hot in TP
+        key = (id(group[0]), group[1])
+        cached = _MESH_GROUPS.get(key)
+        if cached is None or cached[0] is not group[0]:
+            cached = _MESH_GROUPS[key] = (group[0], _resolve(group).group_name)
+        return cached[1]
     try:
         pg = _resolve(group)
         if pg is None:
@@ -408,6 +419,10 @@ def _group_name(group: Any) -> str:
         return pg.group_name
     except Exception:  # an exotic form (a rank list): still count the call
         return "other"
+
+
+#: (id(mesh), dim) -> (mesh, group name); holding the mesh keeps its id from being reused
+_MESH_GROUPS: dict[tuple[int, Any], tuple[Any, str]] = {}
 
 
 def _group_size(group: Any) -> int:
