@@ -41,6 +41,10 @@ def test_ddp_world2_bytes_equal_the_analytic_count(small_corpus, tmp_path):
         # ring model: all-reduce sends 2(n-1)/n of the buffer, = 1 at n = 2
         assert event["comm_wire_bytes"] == unique * 4 + 8
         assert event["comm_bytes_per_rank"] == [unique * 4 + 8] * 2
+        # each replica reads half the global batch in its own step time
+        for rank in range(2):
+            assert event["samples_per_s_per_rank"][rank] == pytest.approx(
+                spec.batch.global_batch / 2 / event["step_time_s_per_rank"][rank], rel=1e-3)
         assert event["comm_ratio_to_min"] == pytest.approx((unique * 4 + 8) / (unique * 4))
 
 

@@ -375,6 +375,8 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
         # each data-parallel replica's share of the tokens over that rank's own step time
         tokens_per_s_per_rank=[round(result.tokens / trainer.ctx.dims.dp / t, 1)
                                for t in window["step_time_s_per_rank"]],
+        samples_per_s_per_rank=[round(trainer.layout.global_batch / trainer.ctx.dims.dp / t, 3)
+                                for t in window["step_time_s_per_rank"]],
         **trainer.perf.on_log(trainer, result, step_time),
         tokens_seen=trainer.state.tokens_seen, eta_s=remaining * statistics.mean(recent),
         straggler=trainer.monitors.current_straggler or None)
