@@ -20,7 +20,6 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 MAGIC = b"SWFR0001"
 HEADER = struct.Struct("<8siiqiiddq")  # magic rank world pid step phase t_progress t_start count
@@ -155,7 +154,7 @@ class RankFlight:
         return out
 
 
-def read_flight(path: Path, axes: dict[str, str] | None = None) -> RankFlight | None:
+def read_flight(path: Path) -> RankFlight | None:
     """Parse one rank's file; None if it is missing or not a flight file."""
     try:
         data = path.read_bytes()
@@ -172,8 +171,8 @@ def read_flight(path: Path, axes: dict[str, str] | None = None) -> RankFlight | 
         if rec[0] != seq or rec[6] not in (ISSUED, DONE):
             continue
         group = _name(names["groups"], rec[2])
-        calls.append(Call(seq, rec[1], (axes or {}).get(group, group), _name(names["ops"], rec[3]),
-                          rec[4], rec[5], rec[6] == DONE, rec[7], rec[8]))
+        calls.append(Call(seq, rec[1], group, _name(names["ops"], rec[3]), rec[4], rec[5],
+                          rec[6] == DONE, rec[7], rec[8]))
     return RankFlight(rank, world, pid, step, PHASES[phase] if 0 <= phase < len(PHASES) else "?",
                       t_progress, calls)
 
@@ -189,10 +188,8 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def read_all(directory: Path) -> tuple[list[RankFlight], dict[str, Any]]:
-    """Every rank's flight in `directory`, by rank, and the axis names saved next to them."""
-    axes_path = directory / "axes.json"
-    axes = json.loads(axes_path.read_text()) if axes_path.exists() else {}
-    flights = [f for f in (read_flight(p, axes) for p in sorted(directory.glob("rank-*.bin")))
+def read_all(directory: Path) -> list[RankFlight]:
+    """Every rank's flight in `directory`, in rank order."""
+    flights = [f for f in (read_flight(p) for p in sorted(directory.glob("rank-*.bin")))
                if f is not None]
-    return sorted(flights, key=lambda f: f.rank), axes
+    return sorted(flights, key=lambda f: f.rank)

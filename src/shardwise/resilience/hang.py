@@ -125,7 +125,7 @@ def _fmt(nbytes: int) -> str:
 
 def report(directory: Path, world: int, headline: str) -> Diagnosis:
     """Diagnose the flights in `directory`, write `hang-report.txt` there, return the diagnosis."""
-    flights, _ = read_all(directory)
+    flights = read_all(directory)
     diagnosis = diagnose(flights, world)
     save(directory, diagnosis, diagnosis.text(headline),
          max((f.step for f in flights), default=0))
@@ -134,7 +134,7 @@ def report(directory: Path, world: int, headline: str) -> Diagnosis:
 
 def dump_collectives(directory: Path) -> None:
     """Every rank's recorded collectives, decoded, as `collectives-rank-K.json`."""
-    flights, _ = read_all(directory)
+    flights = read_all(directory)
     for flight in flights:
         atomic_write_text(directory / f"collectives-rank-{flight.rank}.json", json.dumps({
             "rank": flight.rank, "step": flight.step, "phase": flight.phase,

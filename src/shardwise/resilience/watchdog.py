@@ -19,8 +19,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from shardwise.resilience.flight import FlightRecorder
-from shardwise.resilience.hang import REPORT, Diagnosis, report
+from shardwise.resilience.flight import FlightRecorder, read_all
+from shardwise.resilience.hang import REPORT, Diagnosis, diagnose, report
 
 HANG_EXIT = 3
 
@@ -77,15 +77,11 @@ class Watchdog:
         headline = (f"HANG: rank {rank} made no progress for {idle:.1f} s "
                     f"(failure.hang_timeout_s = {self.timeout_s:g}).")
         writer = _claim(self.directory / f".{REPORT}.lock")
-        diagnosis = report(self.directory, self.world, headline) if writer else None
-        if diagnosis is None:
-            time.sleep(0.5)
-            from shardwise.resilience.flight import read_all
-            from shardwise.resilience.hang import diagnose
-
-            diagnosis = diagnose(read_all(self.directory)[0], self.world)
-        text = (self.directory / REPORT).read_text() if (self.directory / REPORT).exists() \
-            else diagnosis.text(headline)
+        if writer:  # one rank writes the report; every rank diagnoses the same records
+            diagnosis = report(self.directory, self.world, headline)
+        else:
+            diagnosis = diagnose(read_all(self.directory), self.world)
+        text = diagnosis.text(headline)
         if writer:
             print(f"\n{text}Stacks of every rank: {self.directory}/stacks-rank-*.txt\n",
                   file=sys.stderr, flush=True)

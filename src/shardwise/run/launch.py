@@ -79,7 +79,7 @@ def explain_failure(run_dir: Path, world: int) -> str:
     if directory is None:
         return ""
     if not (directory / REPORT).exists():
-        flights, _ = read_all(directory)
+        flights = read_all(directory)
         diagnosis = diagnose(flights, world)
         if not flights or not diagnosis.diverged:
             return ""

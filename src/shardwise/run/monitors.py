@@ -9,6 +9,7 @@ state beyond the one installed comm tap.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -84,8 +85,6 @@ class Monitors:
 
     def paused(self) -> Any:
         """The watchdog steps aside (checkpoint writes run long without collectives)."""
-        import contextlib
-
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     # --- per step -----------------------------------------------------------------------------
@@ -145,12 +144,9 @@ class Monitors:
         if self.tap is not None:
             by_op: dict[str, OpTotals] = {}
             for sample in window:
-                for key, totals in sample.comm.by_op.items():
-                    acc = by_op.setdefault(key, OpTotals())
-                    acc.calls += totals.calls
-                    acc.bytes += totals.bytes
-                    acc.wire_bytes += totals.wire_bytes
-                    acc.time_s += totals.time_s
+                for key, t in sample.comm.by_op.items():
+                    by_op.setdefault(key, OpTotals()).add(t.calls, t.bytes, t.wire_bytes,
+                                                          t.time_s)
             n = len(window)
             fields.update(
                 comm_bytes=round(comm_bytes), comm_wire_bytes=round(wire),

@@ -336,17 +336,9 @@ class Trainer:
 
     def _gathered_state(self) -> dict[str, Any]:
         """Per-rank model-state bytes, each a list in rank order (collective)."""
-        return {f"{key}_per_rank": [int(v) for v in self._gather_floats(float(value))]
-                for key, value in self.meter.report.items()}
-
-    def _gather_floats(self, value: float) -> list[float]:
-        """One value from every rank, in rank order (collective)."""
-        if not self.ctx.distributed:
-            return [value]
-        t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
-        out = [torch.zeros_like(t) for _ in range(self.ctx.world_size)]
-        dist.all_gather(out, t)
-        return [float(x) for x in out]
+        keys = list(self.meter.report)
+        rows = self.gather([float(self.meter.report[k]) for k in keys])  # one all-gather
+        return {f"{key}_per_rank": [int(row[i]) for row in rows] for i, key in enumerate(keys)}
 
     def _sample(self) -> None:
         tok = self.data.tokenizer()

@@ -110,9 +110,11 @@ class OpTotals:
     wire_bytes: float = 0.0  # bytes this rank sends if the collective runs as a ring
     time_s: float = 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"calls": self.calls, "bytes": self.bytes, "wire_bytes": round(self.wire_bytes),
-                "time_s": round(self.time_s, 6)}
+    def add(self, calls: int, nbytes: int, wire: float, seconds: float) -> None:
+        self.calls += calls
+        self.bytes += nbytes
+        self.wire_bytes += wire
+        self.time_s += seconds
 
 
 def wire_factor(op: str, n: int) -> float:
@@ -311,11 +313,9 @@ class CommTap:
                          nbytes: int) -> Any:
         t0 = time.perf_counter()
         result = original(*args, **kwargs)
-        with self._lock:
-            totals = self.background.setdefault(key, OpTotals())
-            totals.calls += 1
-            totals.bytes += nbytes
-            totals.time_s += time.perf_counter() - t0  # the call (async ones: until issued)
+        with self._lock:  # the call's time (an async one: until issued)
+            self.background.setdefault(key, OpTotals()).add(1, nbytes, 0.0,
+                                                            time.perf_counter() - t0)
         return result
 
     def _done(self, op: str, axis: str, nbytes: int, wire: float, t0: float, t1: float,
@@ -324,13 +324,7 @@ class CommTap:
         with self._lock:
             interval[1] = t1
             for table in (step_comm.by_op, self.totals):
-                totals = table.get(key)
-                if totals is None:
-                    totals = table[key] = OpTotals()
-                totals.calls += 1
-                totals.bytes += nbytes
-                totals.wire_bytes += wire
-                totals.time_s += t1 - t0
+                table.setdefault(key, OpTotals()).add(1, nbytes, wire, t1 - t0)
         if slot is not None:
             self.recorder.complete(slot)
         if self.on_span is not None:
@@ -338,10 +332,6 @@ class CommTap:
 
 
 _ACTIVE: CommTap | None = None
-
-
-def active_tap() -> CommTap | None:
-    return _ACTIVE
 
 
 def ddp_comm_hook(group: dist.ProcessGroup | None) -> Callable:
