@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=V",
                    help="override one spec field, e.g. --set optimizer.lr=1e-3 (repeatable)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="local worker processes (default: parallel.nproc, 2)")
+                   help="local worker processes (default: parallel.nproc; 0 = one per GPU, 2 on CPU)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--print-spec", action="store_true",

@@ -78,7 +78,8 @@ class ParallelDims:
                 f"Replicate instead with dp_replicate = {self.dp_replicate * self.dp_shard} and "
                 "dp_shard = 1, or pick zero = 1, 2 or 3 to shard across dp_shard."
             )
-        if self.zero > 0 and self.dp_shard == 1:
+        if self.zero > 0 and self.dp_shard == 1 and not (self.world_size == 1 and self.zero >= 2):
+            # (FSDP on a single rank is allowed: it is how one GPU runs the FSDP code path.)
             raise SpecError(
                 f"parallel.zero = {self.zero} shards state across dp_shard, but dp_shard = 1: "
                 "there is nothing to shard across. Set parallel.dp_shard to the number of ranks "
@@ -104,7 +105,7 @@ class ParallelDims:
     def describe(self) -> str:
         """A short name of the layout, for logs: `zero3-2`, `ddp2`, `hsdp2x2`, `tp2+pp2`, `single`."""
         if self.world_size == 1:
-            return "single"
+            return f"zero{self.zero}-1" if self.zero >= 2 else "single"
         parts = []
         if self.dp_replicate > 1 and self.dp_shard > 1:
             parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")

@@ -1,8 +1,11 @@
 """Process-group start-up and the DistContext that carries topology through a run.
 
 There is no global topology: the context is built once per process and passed down explicitly.
-A world of one process runs with no process group at all, so the single-process reference is plain
-PyTorch.
+A world of one process started by `shardwise train` runs with no process group at all, so the
+single-process reference is plain PyTorch. Two world-1 cases do get a real group of one: a process
+started by torchrun (every collective then goes through the chosen backend, so a one-GPU NCCL run
+exercises the same code paths as a multi-GPU one), and a layout that asks for FSDP on one rank
+(`zero = 2/3`, which needs a mesh).
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.parallel.devices import (
+    check_local_workers,
+    pick_device,
+    resolve_backend,
+    resolve_device_type,
+)
 from shardwise.parallel.dims import MESH_AXES, ParallelDims
 from shardwise.spec.runspec import ParallelSection
 
@@ -63,13 +72,6 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def pick_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def set_cpu_threads(local_world_size: int) -> int:
     """cores / local workers (>= 1): oversubscribed workers run 2-8x slower on CPU."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -78,24 +80,36 @@ def set_cpu_threads(local_world_size: int) -> int:
     return threads
 
 
-def init_distributed(section: ParallelSection, store: dist.Store | None = None) -> DistContext:
+#: cuBLAS needs this before its first handle is created to pick deterministic GEMM workspaces
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def init_distributed(section: ParallelSection, store: dist.Store | None = None, *,
+                     deterministic: bool = False) -> DistContext:
     """Join the process group named by the environment (or `store`) and build the mesh.
 
+    `deterministic` (run.determinism strict/invariant) sets what cuBLAS reads when CUDA first
+    initialises, so it must be decided here, before this process touches its GPU.
     Each elastic restart attempt uses its own store prefix: reusing keys of a dead attempt made
     gloo's `connectFullMesh` hang or fail after a restart.
     """
     rank, local_rank, world, local_world = env_world()
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    device_type = resolve_device_type(section)
+    check_local_workers(local_world, device_type)
     set_cpu_threads(local_world)
-    device = pick_device(local_rank)
+    device = pick_device(device_type, local_rank)
     dims = ParallelDims.from_spec(section, world)
-    if world == 1:
+    launched = under_launcher() or store is not None
+    if world == 1 and not launched and dims.zero < 2 and not dist.is_initialized():
         return DistContext(rank, local_rank, 1, 1, device, dims, None)
-    backend = section.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = resolve_backend(section, device_type)
     timeout = timedelta(seconds=section.timeout_s)
     if not dist.is_initialized():
-        if store is None:
+        if store is None and world == 1 and not under_launcher():
+            store = dist.HashStore()  # FSDP on one rank, in this process: a group of one
+        elif store is None:
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -103,8 +117,9 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None) 
             )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+                                timeout=timeout, **kwargs)
     mesh, dp_mesh = build_mesh(dims, device.type)
     return DistContext(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
 

@@ -294,7 +294,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
             apply_compile(part)
     # 7. data parallel (invariant mode reduces DDP/ZeRO-1 gradients itself, in a fixed tree)
     invariant = spec.run.determinism == "invariant"
-    if dims.dp > 1:
+    if dims.dp > 1 or dims.zero >= 2:
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
                 else ctx.mesh["dp_shard"]

@@ -97,12 +97,16 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
 
 
 def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
-    """Every check that needs no worker, before any worker starts: layout against the world size,
-    batch against the data-parallel degree, layout against the model; the data is prepared once
-    here and its hashes are pinned into the returned spec."""
+    """Every check that needs no worker, before any worker starts: the worker count against the
+    machine's GPUs (and `nproc = 0` resolved to a number), layout against the world size, batch
+    against the data-parallel degree, layout against the model; the data is prepared once here
+    and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.checks import check_layout
 
+    from shardwise.parallel.devices import resolve_nproc
+
+    spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel))
     dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
     data = prepare_data(spec.data)
