@@ -36,9 +36,10 @@ def resolve_device_type(section: ParallelSection) -> str:
     if section.device == "auto":
         return "cuda" if cuda_count() > 0 else "cpu"
     if section.device == "cuda" and cuda_count() == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise SpecError(
             "parallel.device = \"cuda\", but no CUDA device is visible to this process (torch "
-            f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}). "
+            f"{torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r}). "
             "Install a CUDA build of torch and check the driver, or set parallel.device = \"cpu\".")
     return section.device
 

@@ -103,7 +103,6 @@ def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
     and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.checks import check_layout
-
     from shardwise.parallel.devices import resolve_nproc
 
     spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel))
