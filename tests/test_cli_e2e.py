@@ -109,6 +109,7 @@ def test_hybrid_layout_through_the_cli(small_corpus, tmp_path):
 def test_examples_load_and_fit_their_layout():
     from shardwise.data.sampler import BatchLayout
     from shardwise.parallel.checks import check_layout
+    from shardwise.parallel.devices import resolve_nproc
     from shardwise.parallel.dims import ParallelDims
     from shardwise.spec import load_spec
 
@@ -116,6 +117,6 @@ def test_examples_load_and_fit_their_layout():
     assert len(examples) >= 3
     for path in examples:
         spec = load_spec(path)
-        dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
+        dims = ParallelDims.from_spec(spec.parallel, resolve_nproc(spec.parallel))
         layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
         check_layout(spec, dims, spec.data.vocab_size, layout.accumulation)

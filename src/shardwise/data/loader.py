@@ -19,6 +19,14 @@ from shardwise.errors import UserError
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch to the run's device without a host sync: a copy from pageable memory makes
+    CUDA synchronise the stream first, a copy from pinned memory does not."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 class TrainBatches:
     """Stateful: `state_dict()` is the data position (global samples consumed)."""
 
@@ -58,7 +66,7 @@ class TrainBatches:
 
     def _load(self, global_indices: np.ndarray) -> Batch:
         x, y = self.sequences.batch(self.sampler.sequence_ids(global_indices))
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return to_device(x, self.device), to_device(y, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         # skips as JSON text: DCP would flatten a list into keys that vary with its length
@@ -77,28 +85,46 @@ class TrainBatches:
 
 
 class EvalBatches:
-    """The first `num` validation sequences in order, split across data-parallel ranks."""
+    """The held-out set: the first `n` validation sequences in order, n = min(eval.batches x
+    global_batch, the split's size) — the same sequences for every layout and degree.
+
+    They are cut into micro-batches of `micro_batch` (the last may be shorter) and micro-batch j
+    goes to data-parallel rank j mod D. Every rank runs the same number of forward passes, because
+    sharded and pipelined forwards are collectives: a rank with fewer real micro-batches re-runs
+    its first one, marked as padding, so it is not counted.
+    """
 
     def __init__(self, sequences: PackedSequences, layout: BatchLayout, batches: int,
                  dp_rank: int, device: torch.device) -> None:
-        per_round = layout.micro_batch * layout.dp
-        num = min(batches * layout.global_batch, len(sequences)) // per_round * per_round
-        if num == 0:
+        self.num = min(batches * layout.global_batch, len(sequences))
+        if self.num == 0:
             raise UserError(
-                f"the validation split has {len(sequences)} sequences, fewer than "
-                f"batch.micro_batch * dp = {per_round} needed for one evaluation round. Raise "
-                "data.val_fraction, shorten data.seq_len, or lower batch.micro_batch."
+                "the validation split is empty: the corpus is too short for one held-out "
+                "sequence of data.seq_len tokens. Raise data.val_fraction, shorten "
+                "data.seq_len, or use a larger corpus."
             )
         self.sequences = sequences
-        self.layout = BatchLayout(num, layout.micro_batch, layout.dp)
+        self.micro_batch = layout.micro_batch
+        self.dp = layout.dp
         self.dp_rank = dp_rank
         self.device = device
 
     @property
     def num_tokens(self) -> int:
-        return self.layout.global_batch * self.sequences.seq_len
+        return self.num * self.sequences.seq_len
 
-    def __iter__(self) -> Iterator[Batch]:
-        for idx in self.layout.rank_indices(0, self.dp_rank):
+    def _micro_batches(self) -> list[np.ndarray]:
+        return [np.arange(start, min(start + self.micro_batch, self.num))
+                for start in range(0, self.num, self.micro_batch)]
+
+    def __iter__(self) -> Iterator[tuple[Batch, bool]]:
+        """(batch, real) pairs: this rank's micro-batches, then padding up to the rounds that
+        the rank with the most micro-batches runs."""
+        all_batches = self._micro_batches()
+        mine = all_batches[self.dp_rank::self.dp]
+        rounds = -(-len(all_batches) // self.dp)
+        for i in range(rounds):
+            real = i < len(mine)
+            idx = mine[i] if real else (mine[0] if mine else all_batches[0])
             x, y = self.sequences.batch(idx)
-            yield x.to(self.device), y.to(self.device)
+            yield (x.to(self.device), y.to(self.device)), real

@@ -12,44 +12,93 @@ With dp_replicate > 1 and zero >= 2 the mesh is 2-D: HSDP (shard within, replica
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.parallel.precision import compute_dtype
 from shardwise.telemetry.comm import ddp_comm_hook
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str) -> nn.Module:
-    """FSDP2 per transformer block, then the root. bf16 gathers parameters in bf16 and reduces
-    gradients in fp32; fp32 and fp16 (autocast) keep fp32 parameters."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
-    layers = getattr(model, "layers", None)
-    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
+               blocks: list[nn.Module]) -> nn.Module:
+    """FSDP2 per block, then the root.
+
+    Gradients are summed, never averaged (the loss is already divided by the step's global token
+    count), and reduced in fp32. Precision (see `shardwise.parallel.precision`): with bf16/fp16,
+    the weights of matmul modules (`nn.Linear`) are gathered in the compute dtype — exactly the
+    cast autocast would make, at half the all-gather bytes — while every other parameter (norms,
+    embeddings, the root's head) is gathered in fp32, as the other layouts use it.
+    """
+    matmul, exact = fsdp_policies(precision)
     for i, block in enumerate(blocks):
         # ZeRO-2 keeps every block gathered from forward to backward; ZeRO-3 reshards each block
         # after its forward, except the last, whose parameters backward needs at once.
         reshard = zero == 3 and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        if matmul is not exact:
+            others = non_matmul_modules(block)
+            if others:
+                fully_shard(others, mesh=mesh, reshard_after_forward=reshard, mp_policy=exact)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=matmul)
     # The root (embedding, final norm, output) is needed first thing in backward: keep it
     # gathered after forward, as torch does by default; re-gathering it would cost one
     # all-gather of those weights per micro-batch for no memory gain at the peak.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=exact)
+    sum_gradients(model)
     return model
+
+
+def fsdp_policies(precision: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(policy for units of matmul weights, policy for everything else); the same object twice
+    in fp32. Inputs are never cast by FSDP: the residual stream stays fp32 on every layout."""
+    exact = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return exact, exact
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                cast_forward_inputs=False), exact
+
+
+def non_matmul_modules(block: nn.Module) -> list[nn.Module]:
+    """Sub-modules of `block` that own parameters used outside a matmul (norms, embeddings)."""
+    return [m for m in block.modules() if not isinstance(m, nn.Linear)
+            and next(m.parameters(recurse=False), None) is not None]
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Every FSDP unit of `model` sums gradients over the data-parallel ranks (factor 1, and
+    SUM as the collective's op: gloo has no PREMUL_SUM, and a sum needs no division)."""
+    for sub in model.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup,
               device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
-    # Buffers (rotary tables) are built identically on every rank: nothing to broadcast.
     ddp = DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True,
-              broadcast_buffers=False)
-    # DDP's own reduction, issued from Python so the communication tap can count it.
+              **_no_buffer_sync())
+    # A sum of the ranks' gradients (the loss is already divided by the global token count),
+    # issued from Python so the communication tap can count it.
     ddp.register_comm_hook(None, ddp_comm_hook(group))
     return ddp
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """Every rank builds the same parameters and buffers (rotary tables) from the seed, or loads
+    them from one checkpoint: nothing to broadcast at start or before each forward. torch 2.13
+    renamed the per-forward switch (and warns on the old name)."""
+    params = inspect.signature(DDP.__init__).parameters
+    off = {"init_sync": False} if "init_sync" in params else {}
+    if "forward_sync_buffers" in params:
+        return {**off, "forward_sync_buffers": False}
+    return {**off, "broadcast_buffers": False}
 
 
 def _local_slice(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

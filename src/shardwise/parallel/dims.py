@@ -38,6 +38,8 @@ class ParallelDims:
     @classmethod
     def from_spec(cls, section: ParallelSection, world_size: int) -> ParallelDims:
         """Resolve `dp_shard = -1` against the world size, then validate."""
+        if world_size < 1:  # parallel.nproc = 0 must be resolved first (parallel.devices)
+            raise ValueError(f"world size {world_size}: resolve parallel.nproc before the layout")
         others = section.dp_replicate * section.cp * section.tp * section.pp
         dp_shard = section.dp_shard
         if dp_shard == -1:

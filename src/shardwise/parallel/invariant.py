@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from shardwise.parallel.collectives import all_gather_flat
+
 
 def pairwise_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """sum(tensors) as a balanced binary tree: (t0 + t1) + (t2 + t3), …"""
@@ -93,7 +95,8 @@ def invariant_grad_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     the same order. The row sums of all sharded parameters travel in one all-gather."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        device = next((p.device for p in params), torch.device("cpu"))
+        return torch.zeros((), device=device)
     sharded = [g for g in grads if isinstance(g, DTensor)]
     gathered = iter(_gather_row_sums(sharded) if sharded else [])
     rows = [next(gathered) if isinstance(g, DTensor) else _row_sums(g) for g in grads]
@@ -117,10 +120,10 @@ def _gather_row_sums(grads: list[DTensor]) -> list[torch.Tensor]:
     chunks = [-(-g.shape[0] // world) for g in grads]
     local = torch.cat([torch.cat([_row_sums(g.to_local()),
                                   torch.zeros(c - g.to_local().shape[0] if g.to_local().ndim else
-                                              c - 1)])
+                                              c - 1, device=g.to_local().device)])
                        for g, c in zip(grads, chunks, strict=True)])
     out = local.new_empty(world * local.numel())
-    dist.all_gather_into_tensor(out, local, group=group)
+    all_gather_flat(out, local, group)
     table = out.view(world, -1)
     result, offset = [], 0
     for g, c in zip(grads, chunks, strict=True):

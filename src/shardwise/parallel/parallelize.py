@@ -25,11 +25,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.parallel.collectives import all_gather_flat
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.invariant import PairwiseAccumulator, install_on_fsdp, tree_reduce_scatter
-from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile
+from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile, blocks_of
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
+from shardwise.parallel.precision import autocast
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from shardwise.spec.runspec import RunSpec
 
@@ -84,9 +86,9 @@ class ParallelModel:
     def forward_backward(self, batches: Sequence[Batch], loss_scale: float) -> torch.Tensor:
         """Run this rank's micro-batches; return its local sum of token losses (float64).
 
-        `loss_scale` multiplies each micro-batch's loss sum before backward (global-token
-        normalisation, dp mean->sum correction, fp16 loss scaling). Under pipeline parallel the
-        sum is known only on the last stage; other ranks return 0.
+        `loss_scale` multiplies each micro-batch's loss sum before backward (1 / the step's global
+        token count, times the fp16 loss scale); every data-parallel reduction is a plain sum.
+        Under pipeline parallel the sum is known only on the last stage; other ranks return 0.
         """
         self._loss_scale = loss_scale
         if self.invariant:
@@ -148,7 +150,7 @@ class ParallelModel:
             full = shard
             if group is not None:
                 full = shard.new_empty(shard.numel() * group.size())
-                dist.all_gather_into_tensor(full, shard, group=group)
+                all_gather_flat(full, shard, group)
             _unflatten_grads(params, full)
         return total
 
@@ -161,12 +163,8 @@ class ParallelModel:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        """fp16 always autocasts; bf16 autocasts unless FSDP already computes in bf16 (its
-        MixedPrecisionPolicy gathers bf16 parameters)."""
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
-        if dtype is None or (self.precision == "bf16" and isinstance(self.parts[0], FSDPModule)):
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.ctx.device.type, dtype=dtype)
+        """The precision policy's forward context, the same on every layout (parallel/precision)."""
+        return autocast(self.precision, self.ctx.device.type)
 
     # --- forward only (evaluation, generation) ---------------------------------------------------
     @torch.no_grad()
@@ -204,17 +202,20 @@ class ParallelModel:
 
 
 def _send_tensor(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """A tensor of any shape and dtype, preceded by its header; everything on x's device (the
+    backend may be NCCL, which has no CPU tensors)."""
     x = x.to_local() if isinstance(x, DTensor) else x
-    header = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst, group=group)
+    header = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64,
+                          device=x.device)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=x.device), dst, group=group)
     dist.send(header, dst, group=group)
     dist.send(x.contiguous(), dst, group=group)
 
 
 def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.int64)
+    n = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(n, src, group=group)
-    header = torch.zeros(int(n), dtype=torch.int64)
+    header = torch.zeros(int(n), dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
     ndim = int(header[0])
     shape, dtype = header[1:1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
@@ -298,8 +299,8 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
                 else ctx.mesh["dp_shard"]
-            parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision)
-                     for part in parts]
+            parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
+                                blocks=blocks_of(part)) for part in parts]
             if invariant:
                 for part in parts:
                     install_on_fsdp(part)

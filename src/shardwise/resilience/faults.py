@@ -86,6 +86,7 @@ class FaultInjector:
     attempt: int
     fired: list[str] = field(default_factory=list)
     group: Any = None  # the process group a `mismatch` fault sends its stray collective on
+    device: Any = "cpu"  # the run's device: where that collective's tensor lives
 
     @classmethod
     def from_spec(cls, spec_faults: str, rank: int) -> FaultInjector:
@@ -112,7 +113,7 @@ class FaultInjector:
                 import torch
                 import torch.distributed as dist
 
-                dist.all_reduce(torch.zeros(1), group=self.group)
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
             if fault.kind == "slow" and phase == "forward":
                 time.sleep(fault.ms / 1000)
 

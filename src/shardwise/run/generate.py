@@ -31,15 +31,16 @@ def generate(pm: ParallelModel, prompt_ids: list[int], *, new_tokens: int, seq_l
             pad = torch.zeros(1, multiple - n % multiple, dtype=torch.long, device=ctx.device)
             window = torch.cat([window, pad], dim=1)
         logits = pm.logits(window)
-        token = torch.zeros(1, dtype=torch.long)
+        token = torch.zeros(1, dtype=torch.long, device=ctx.device)
         if drawer:
             last = logits[0, n - 1].float().cpu() / temperature
             if top_k:
                 kth = torch.topk(last, min(top_k, last.numel())).values[-1]
                 last = last.masked_fill(last < kth, float("-inf"))
-            token = torch.multinomial(torch.softmax(last, -1), 1, generator=gen)
+            # drawn on the CPU with a CPU generator: the same token on every device type
+            token = torch.multinomial(torch.softmax(last, -1), 1, generator=gen).to(ctx.device)
         if ctx.distributed:
             dist.all_reduce(token)  # only the drawer's value is non-zero
-        ids = torch.cat([ids, token.to(ctx.device).view(1, 1)], dim=1)
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
     pm.train()
     return ids[0, len(prompt):].tolist()

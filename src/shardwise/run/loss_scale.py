@@ -1,13 +1,10 @@
 """Dynamic loss scaling for fp16: scale the loss up so small gradients survive fp16, unscale before
-clipping, skip the step and back off when any rank saw inf/NaN, grow after a run of good steps."""
+clipping, skip the step and back off when any rank saw inf/NaN (the global gradient norm is then
+not finite), grow after a run of good steps."""
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from shardwise.spec.runspec import LossScaleSection
 
@@ -21,20 +18,12 @@ class LossScaler:
         self.good_steps = 0
         self.skipped_steps = 0
 
-    def unscale_(self, params: list[torch.nn.Parameter], distributed: bool) -> bool:
-        """Divide gradients by the scale; True when any rank's gradients are not finite."""
-        inv = 1.0 / self.scale
-        bad = torch.zeros(1)
-        for p in params:
-            if p.grad is None:
-                continue
-            p.grad.mul_(inv)
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            if not torch.isfinite(local).all():
-                bad.fill_(1.0)
-        if distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
+    @property
+    def inverse(self) -> float:
+        """What unscales the gradients (`run.optim.scale_grads`). Whether any rank's gradients
+        overflowed is read from the global gradient norm (inf/NaN anywhere makes it non-finite),
+        so unscaling needs neither a collective nor a host sync of its own."""
+        return 1.0 / self.scale
 
     def update(self, found_inf: bool) -> bool:
         """Adjust the scale after a step; returns True when the step must be skipped."""

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shardwise.parallel.data_parallel import Zero1Optimizer
+from shardwise.parallel.dims import MESH_AXES
+from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import ParallelModel, unwrap
 from shardwise.spec.runspec import OptimizerSection
 
@@ -126,31 +128,78 @@ def lr_at(step: int, opt: OptimizerSection, total_steps: int) -> float:
 
 
 def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
-    """L2 norm of every gradient of the whole model, across shards, TP ranks and stages.
+    """L2 norm of every gradient of the whole model, across shards, TP ranks and stages, as a
+    device scalar (no host sync), with one all-reduce over the world.
 
-    DTensor gradients (FSDP / TP shards) give a partial norm that `full_tensor()` reduces over
-    their mesh; plain gradients are replicated. Pipeline stages hold disjoint parameters, so their
-    squared norms are summed over the pp axis.
+    Each rank adds the squares of the gradient values it holds *and counts*: a value replicated
+    over some mesh axes is counted by the rank at coordinate 0 of those axes only, so the world
+    sum counts every element once. Gradients sharded over an axis (FSDP, TP) are counted by every
+    rank of it; pipeline stages hold disjoint parameters. This replaces a norm per mesh and axis
+    (DTensor's `full_tensor`, one all-reduce per mesh dimension, and a warning for 2-D meshes)
+    and works for any mix of meshes (FSDP + TP without sequence parallel has gradients on three).
     """
     grads = [p.grad for p in pm.parameters() if p.grad is not None]
     device = pm.ctx.device
+    counted = [_local(g).float() for g in grads if _counted_here(g, pm.ctx)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    dtensors = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    if dtensors:
-        sq = sq + torch.nn.utils.get_total_norm(dtensors, foreach=True).full_tensor().float() ** 2
-    if plain:
-        sq = sq + torch.nn.utils.get_total_norm(plain, foreach=True).float() ** 2
-    if pm.ctx.mesh is not None and pm.ctx.dims.pp > 1:
-        dist.all_reduce(sq, group=pm.ctx.mesh["pp"].get_group())
+    if counted:
+        norms = torch._foreach_norm(counted, 2)
+        sq = torch.stack(norms).pow(2).sum()
+    if pm.ctx.distributed and pm.ctx.world_size > 1:
+        dist.all_reduce(sq)
     return sq.sqrt()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds (a DTensor's local shard)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _counted_here(grad: torch.Tensor, ctx: DistContext) -> bool:
+    """Whether this rank's copy of `grad` is the one counted in the world sum: coordinate 0 on
+    every mesh axis over which the values are replicated (pp excluded: stages are disjoint)."""
+    if ctx.mesh is None:
+        return True
+    covered: set[str] = set()
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        names = mesh.mesh_dim_names or ()
+        coordinate = mesh.get_coordinate() or []
+        for name, index, placement in zip(names, coordinate, grad.placements, strict=True):
+            axes = FLATTENED.get(name, (name,))
+            if any(axis not in MESH_AXES for axis in axes):
+                raise RuntimeError(f"gradient on a mesh axis {name!r} that the run's mesh "
+                                   f"{MESH_AXES} does not have")
+            if placement.is_partial():
+                raise RuntimeError("a gradient is still a partial sum; reduce it before the norm")
+            covered.update(axes)
+            if placement.is_replicate() and index != 0:
+                return False
+    world = dict(zip(MESH_AXES, ctx.mesh.get_coordinate() or [], strict=True))
+    return all(world[axis] == 0 for axis in MESH_AXES if axis not in covered and axis != "pp")
+
+
+#: names of flattened mesh views and the axes they stand for
+FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+
+
 def clip_grads(pm: ParallelModel, max_norm: float, total: torch.Tensor) -> None:
-    """Scale every gradient by min(1, max_norm / total), with the same global `total` on all."""
+    """Scale every gradient by min(1, max_norm / total), with the same global `total` on all
+    ranks; on the device, without reading `total` on the host."""
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale_grads(pm, coef)
+
+
+def scale_grads(pm: ParallelModel, factor: torch.Tensor | float) -> None:
+    """Multiply every gradient (each rank's local values) by `factor`, in one foreach per
+    dtype (no host sync for a tensor factor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in pm.parameters():
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else float(coef))
+            local = _local(p.grad)
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for dtype, tensors in by_dtype.items():
+        f = factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_(tensors, f)

@@ -1,13 +1,18 @@
-"""One optimizer step, and evaluation.
+"""One optimizer step, the per-step figures kept on the device until a log step, and evaluation.
 
 Loss normalisation: each micro-batch contributes (sum of its token losses) / (global target tokens
-of the step), so micro-batching and sharding never change the objective. Data-parallel wrappers
-average gradients over the dp degree; multiplying the loss by that degree turns the mean back
-into a sum (exact for powers of two).
+of the step), and every data-parallel reduction is a plain sum, so micro-batching and sharding
+never change the objective and no rank count is ever divided out.
+
+Host synchronisation: a step reads exactly one value on the host — whether the global gradient
+norm is finite, which decides whether the update happens (and, under fp16, the loss scale). The
+loss and the norm stay device tensors in `StepLog` until a log step (or a non-finite step, or the
+last step) reads all pending steps with one all-reduce and one copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,30 +25,63 @@ from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.resilience.faults import FaultInjector
 from shardwise.run.loss_scale import LossScaler
-from shardwise.run.optim import Optimizers, clip_grads, global_grad_norm
+from shardwise.run.optim import Optimizers, global_grad_norm, scale_grads
 
 
 @dataclass(frozen=True)
 class StepResult:
     step: int  # 1-based number of the step just completed
-    loss: float  # global mean token loss of the step
-    grad_norm: float  # global norm before clipping (after unscaling under fp16)
     lr: float
     tokens: int  # global target tokens of the step
-    skipped: bool = False  # fp16 found inf/NaN: no update was made
+    skipped: bool = False  # inf/NaN gradients: no update was made
     loss_scale: float = 1.0
+    loss_sum: torch.Tensor | None = None  # this rank's share of the loss sum (device, float64)
+    norm: torch.Tensor | None = None  # global gradient norm before clipping (device)
+    loss: float | None = None  # global mean token loss of the step, once resolved
+    grad_norm: float | None = None  # the norm (after unscaling under fp16), once resolved
+
+    @property
+    def resolved(self) -> bool:
+        return self.loss is not None
 
 
-def global_sum(pm: ParallelModel, local: torch.Tensor) -> float:
-    """Sum over data-parallel ranks of a per-rank loss sum that every tp rank and only the
-    last pipeline stage holds: one all-reduce over the world, each value counted once."""
-    if not pm.ctx.distributed:
-        return float(local)
-    counted = pm.holds_last_stage and pm.tp_rank == 0
-    value = local.detach().double().reshape(1) if counted else \
-        torch.zeros(1, dtype=torch.float64, device=pm.ctx.device)
-    dist.all_reduce(value)
-    return float(value)
+def counted_loss(pm: ParallelModel, local: torch.Tensor) -> torch.Tensor:
+    """This rank's contribution to the global loss sum: the last pipeline stage holds the loss
+    and every tp rank holds the same one, so only tp rank 0 of the last stage contributes."""
+    if pm.holds_last_stage and pm.tp_rank == 0:
+        return local.detach().double().reshape(())
+    return torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
+
+
+def global_sums(pm: ParallelModel, values: torch.Tensor) -> torch.Tensor:
+    """Sum over the world of a vector of per-rank contributions (one all-reduce)."""
+    if pm.ctx.distributed and pm.ctx.world_size > 1:
+        dist.all_reduce(values)
+    return values
+
+
+class StepLog:
+    """Steps whose loss and gradient norm are still on the device."""
+
+    def __init__(self, pm: ParallelModel) -> None:
+        self.pm = pm
+        self.pending: list[StepResult] = []
+
+    def add(self, result: StepResult) -> None:
+        self.pending.append(result)
+
+    def resolve(self) -> list[StepResult]:
+        """Every pending step with `loss` and `grad_norm` filled in (collective: all ranks call
+        it at the same steps; one all-reduce and one device-to-host copy for all of them)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return []
+        sums = global_sums(self.pm, torch.stack([r.loss_sum for r in pending]))
+        norms = torch.stack([r.norm.double() for r in pending])
+        values = torch.cat([sums, norms]).tolist()
+        n = len(pending)
+        return [dataclasses.replace(r, loss=values[i] / r.tokens, grad_norm=values[n + i])
+                for i, r in enumerate(pending)]
 
 
 def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batch],
@@ -54,30 +92,33 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
     model's own phase hook reports forward and backward); without it, `faults` is."""
     pm.train()
     optimizers.set_lr(lr)
-    # Backend reductions average over dp; invariant mode sums itself, so no correction there.
-    dp_correction = 1 if pm.invariant else pm.ctx.dims.dp
-    loss_scale = dp_correction / global_tokens * (scaler.scale if scaler else 1.0)
-    local_sum = pm.forward_backward(batches, loss_scale)
+    scale = scaler.scale if scaler else 1.0
+    local_sum = pm.forward_backward(batches, scale / global_tokens)
     _reduce_partial_grads(pm)
     if faults is not None:
         faults.after_backward(step + 1, pm.parameters())
-    found_inf = scaler.unscale_(pm.parameters(), pm.ctx.distributed) if scaler else False
-    total = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
-    skipped = not bool(torch.isfinite(total))  # NaN/inf anywhere: no update from this step
+    norm = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
     if scaler is not None:
-        current_scale = scaler.scale
-        skipped = scaler.update(found_inf or skipped)
+        norm = norm / scale  # the norm of the unscaled gradients
+    skipped = not bool(torch.isfinite(norm))  # the step's one host sync: update or not
+    current_scale = scale
+    if scaler is not None:
+        skipped = scaler.update(skipped)
     if not skipped:
-        clip_grads(pm, grad_clip, total)
+        # unscaling (fp16) and clipping in one pass over the gradients
+        factor = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
+        if scaler is not None:
+            factor = factor / scale if factor is not None else 1.0 / scale
+        if factor is not None:
+            scale_grads(pm, factor)
         if on_phase is not None:
             on_phase("optimizer", step + 1)
         elif faults is not None:
             faults.at("optimizer", step + 1)
         optimizers.step()
     optimizers.zero_grad()
-    loss = global_sum(pm, local_sum) / global_tokens
-    return StepResult(step + 1, loss, float(total), lr, global_tokens, skipped,
-                      current_scale if scaler else 1.0)
+    return StepResult(step + 1, lr, global_tokens, skipped, current_scale,
+                      loss_sum=counted_loss(pm, local_sum), norm=norm.detach())
 
 
 def _reduce_partial_grads(pm: ParallelModel) -> None:
@@ -91,13 +132,15 @@ def _reduce_partial_grads(pm: ParallelModel) -> None:
 
 
 @torch.no_grad()
-def evaluate(pm: ParallelModel, batches: Iterable[Batch], num_tokens: int) -> float:
-    """Mean held-out token loss over every rank's share of the evaluation set."""
+def evaluate(pm: ParallelModel, batches: Iterable[tuple[Batch, bool]], num_tokens: int) -> float:
+    """Mean held-out token loss over every rank's share of the evaluation set. Batches marked
+    `False` are padding (a rank with fewer real sequences still runs the collectives of every
+    forward) and are not counted."""
     pm.eval()
     total = torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
-    for inputs, targets in batches:
+    for (inputs, targets), real in batches:
         logits = pm.logits(inputs)
-        if logits is not None:
+        if logits is not None and real:
             total += pm.token_loss_sum(logits, targets).double()
     pm.train()
-    return global_sum(pm, total) / num_tokens
+    return float(global_sums(pm, counted_loss(pm, total).reshape(1))[0]) / num_tokens

@@ -29,13 +29,14 @@ from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.precision import configure_kernels
 from shardwise.resilience.faults import FaultInjector
 from shardwise.run import manifest, rundir
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.monitors import Monitors, gather_rows
 from shardwise.run.optim import Optimizers, lr_at
-from shardwise.run.step import StepResult, evaluate, train_step
+from shardwise.run.step import StepLog, StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
 from shardwise.telemetry.comm_theory import min_wire_bytes
@@ -88,8 +89,7 @@ class Trainer:
                  events: EventLog) -> None:
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
         torch.manual_seed(spec.run.seed)
-        if spec.run.determinism != "fast":
-            torch.use_deterministic_algorithms(True)
+        configure_kernels(spec.run.determinism, spec.run.tf32, ctx.device)
         if spec.run.determinism == "invariant":
             torch.set_num_threads(1)  # the bits of a matmul depend on the thread count
         self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
@@ -103,6 +103,7 @@ class Trainer:
         self.meter = ModelStateMeter(self.model, self.optimizers)
         self.faults = FaultInjector.from_spec(spec.failure.faults, ctx.rank)
         self.faults.group = ctx.dp_group()
+        self.faults.device = ctx.device
         self.monitors = Monitors(spec, ctx, run_dir, events, self.faults.attempt)
         self.monitors.min_wire_bytes = min_wire_bytes(spec, ctx.dims, self.num_params,
                                                       self.layout.accumulation)
@@ -116,13 +117,15 @@ class Trainer:
                                                  ctx.distributed, spec.parallel.timeout_s)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
+        self.log_hook = Hook("log", spec.log.every, _log_hook)
         self.hooks = [
-            Hook("log", spec.log.every, _log_hook),
+            self.log_hook,
             Hook("eval", spec.eval.every, _eval_hook),
             Hook("checkpoint", spec.checkpoint.every, _checkpoint_hook,
                  at_end=spec.checkpoint.enabled),
         ]
         self._step_times: list[float] = []
+        self.steplog = StepLog(self.model)
         self.gather = gather_rows(ctx)
         self._perf: RunPerf | None = None
         self._start_step = 0
@@ -242,14 +245,13 @@ class Trainer:
 
     def _loop(self) -> None:
         for result in self.steps():
-            self.summary.losses.append(result.loss)
-            self.summary.grad_norms.append(result.grad_norm)
+            last = result.step == self.stop_step
+            result = self._resolve_if_read(result, last)
             if self._guard_numerics(result):
                 continue  # rolled back: the loop goes on from the checkpoint's step
             if self.meter.report is not None and not self._state_logged:
                 self._state_logged = True
                 self.events.emit("model_state", result.step, **self._gathered_state())
-            last = result.step == self.stop_step
             if result.step == self._start_step + 1 and self.faults.attempt > 0:
                 reached = self.monitors.previous_attempt_step()
                 self.events.emit("restart", result.step, attempt=self.faults.attempt,
@@ -264,6 +266,18 @@ class Trainer:
                     self.monitors.phase("checkpoint" if writing else "hook", result.step)
                     with self.monitors.paused() if writing else contextlib.nullcontext():
                         hook.fn(self, result)
+
+    def _resolve_if_read(self, result: StepResult, last: bool) -> StepResult:
+        """Keep the step's loss and norm on the device unless something reads them now: a log
+        step, the last step, or a skipped (non-finite) step, which every rank knows alike.
+        Resolving reads every pending step at once (collective) into the summary."""
+        self.steplog.add(result)
+        if not (last or result.skipped or self.log_hook.due(result.step, last)):
+            return result
+        resolved = self.steplog.resolve()
+        self.summary.losses.extend(r.loss for r in resolved)
+        self.summary.grad_norms.extend(r.grad_norm for r in resolved)
+        return resolved[-1]
 
     def _guard_numerics(self, result: StepResult) -> bool:
         """Count consecutive steps skipped for non-finite gradients (fp16 overflows excluded:

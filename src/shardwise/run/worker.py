@@ -77,7 +77,7 @@ def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:
         except UserError as err:
             error = err
     if ctx.distributed:
-        failed = torch.tensor([1 if error else 0])
+        failed = torch.tensor([1 if error else 0], device=ctx.device)
         dist.all_reduce(failed)
         if failed.item() and error is None:
             raise UserError("data preparation failed on another rank; its message names the cause.")

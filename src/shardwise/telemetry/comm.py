@@ -5,8 +5,8 @@ How it sees the calls: `CommTap.install()` wraps the public functions of `torch.
 wrapper records the call and forwards its arguments unchanged; nothing in the caller's code is
 patched. Torch's own users of those functions — FSDP2, DTensor/TP, pipelining, DCP — are counted
 the same way as shardwise's. DDP's reducer calls the process group from C++, so DDP is given a
-comm hook (`ddp_comm_hook`) that issues its bucket all-reduce through the wrapped `all_reduce`,
-numerically the same as DDP's default (divide by the group size, then sum).
+comm hook (`ddp_comm_hook`) that issues its bucket all-reduce through the wrapped `all_reduce` (a
+sum: shardwise normalises the loss by the global token count, so nothing is divided by the ranks).
 
 What a call costs here: two clock reads, a few dict updates and, when a flight recorder is
 attached, one fixed-size record written into a memory-mapped file (see
@@ -335,13 +335,12 @@ _ACTIVE: CommTap | None = None
 
 
 def ddp_comm_hook(group: dist.ProcessGroup | None) -> Callable:
-    """DDP's default reduction (divide by the group size, all-reduce sum), issued through
+    """DDP's all-reduce of each gradient bucket as a plain sum (shardwise divides the loss by the
+    step's global token count, so no rank count is divided out), issued through
     `torch.distributed.all_reduce` so the tap sees the bytes DDP's C++ reducer sends."""
-    size = dist.get_world_size(group)
 
     def hook(state: Any, bucket: Any) -> torch.futures.Future:
         buffer = bucket.buffer()
-        buffer.div_(size)
         work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
