@@ -39,7 +39,7 @@ def test_resume_at_another_degree_is_exact_and_plants_are_caught(small_corpus, t
     rank1.write_text(clean + json.dumps({"launch": 0, "step": 2, "ranges": [[8, 9]]}) + "\n")
     assert main(["verify", "--ledger", str(run_dir)]) == 1
     out = capsys.readouterr().out
-    assert "step 2: sample 8 used twice (ranks 0 and 1)" in out
+    assert "step 2: sample 8 used twice (data-parallel ranks 0 and 1)" in out
 
     # rank 1's record of step 3 is lost: samples inside the step never used
     rank1.write_text("\n".join(line for line in clean.splitlines()
@@ -63,3 +63,68 @@ def test_a_crashed_launch_is_superseded(tmp_path):
         json.dumps({"launch": la, "step": s, "ranges": r}) + "\n" for la, s, r in lines))
     report = audit(tmp_path)
     assert report.exact and report.steps == 4 and report.samples == 16
+
+
+def _write_ledger(root, launches, lines):
+    ledger = root / "ledger"
+    ledger.mkdir(parents=True)
+    (ledger / "launches.jsonl").write_text("".join(json.dumps(e) + "\n" for e in launches))
+    by_rank: dict[int, list[str]] = {}
+    for rank, record in lines:
+        by_rank.setdefault(rank, []).append(json.dumps(record) + "\n")
+    for rank, text in by_rank.items():
+        (ledger / f"rank-{rank:05d}.jsonl").write_text("".join(text))
+
+
+def test_audit_checks_replicas_batch_size_and_declared_skips(tmp_path):
+    launch = {"launch": 0, "start_step": 0, "world_size": 4, "dp": 2, "global_batch": 4}
+    good = [(0, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]}),
+            (2, {"launch": 0, "step": 1, "dp_rank": 1, "ranges": [[2, 4]]})]
+    _write_ledger(tmp_path / "ok", [launch], good)
+    assert audit(tmp_path / "ok").exact
+
+    # a replica that wrote nothing, and a tp peer that wrote the same replica's record again
+    _write_ledger(tmp_path / "missing", [launch], good[:1] + [
+        (1, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]})])
+    problems = audit(tmp_path / "missing").problems
+    assert any("data-parallel ranks [1] of 2 wrote no record" in p for p in problems), problems
+    assert any("recorded it more than once" in p for p in problems), problems
+
+    # a step that used fewer samples than the global batch
+    _write_ledger(tmp_path / "short", [launch], [
+        (0, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]}),
+        (2, {"launch": 0, "step": 1, "dp_rank": 1, "ranges": [[2, 3]]})])
+    assert any("3 samples used, but the global batch" in p
+               for p in audit(tmp_path / "short").problems)
+
+    # a rollback declared [4, 8) skipped; the next launch trained on sample 6 anyway
+    single = {"launch": 0, "start_step": 0, "world_size": 1, "dp": 1, "global_batch": 2}
+    rollback = {"launch": 1, "start_step": 2, "world_size": 1, "dp": 1, "global_batch": 2,
+                "skipped": [4, 8]}
+    _write_ledger(tmp_path / "skips", [single, rollback], [
+        (0, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]}),
+        (0, {"launch": 0, "step": 2, "dp_rank": 0, "ranges": [[2, 4]]}),
+        (0, {"launch": 0, "step": 3, "dp_rank": 0, "ranges": [[4, 6]]}),
+        (0, {"launch": 1, "step": 3, "dp_rank": 0, "ranges": [[6, 8]]})])
+    problems = audit(tmp_path / "skips").problems
+    assert any("declared skipped by a rollback but trained on" in p for p in problems), problems
+
+
+def test_tp_and_pp_peers_record_once_per_replica(small_corpus, tmp_path):
+    """tp and pp ranks of one data-parallel replica read the same samples: one record each step
+    (measured before: every rank wrote, and the audit reported each sample used twice)."""
+    model = {"n_layers": 4, "tie_embeddings": False}
+    for name, parallel in (("tp2", {"tp": 2, "dp_shard": 1}),
+                           ("pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}),
+                           ("pp2xzero3-2", {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"})):
+        world = 4 if name == "pp2xzero3-2" else 2
+        run_dir = tmp_path / name
+        spec = tiny_spec(small_corpus, run_dir, model=model, run={"steps": 3},
+                         parallel={**parallel, "nproc": world})
+        run_ranks(train, world, spec)
+        report = audit(run_dir)
+        assert report.exact, (name, report.problems)
+        assert (report.steps, report.samples) == (3, 3 * 8), name
+        writers = sorted(p.name for p in (run_dir / "ledger").glob("rank-*.jsonl")
+                         if p.read_text().strip())
+        assert len(writers) == (2 if name == "pp2xzero3-2" else 1), (name, writers)

@@ -45,9 +45,14 @@ class TrainBatches:
         self.skips.append((start, end))
 
     def _jump_skips(self) -> None:
-        for start, end in self.skips:
-            if self.consumed_samples == start:
-                self.consumed_samples = end
+        """Move the cursor past every skipped range it is inside (a rollback to a checkpoint
+        saved in the middle of the bad streak resumes inside the range, not at its start)."""
+        moved = True
+        while moved:
+            moved = False
+            for start, end in self.skips:
+                if start <= self.consumed_samples < end:
+                    self.consumed_samples, moved = end, True
 
     def step_indices(self) -> list[np.ndarray]:
         """Global sample indices of this rank's micro-batches for the next step."""

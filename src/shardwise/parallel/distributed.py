@@ -54,6 +54,15 @@ class DistContext:
         """Index of this rank among the data-parallel ranks (which data it reads)."""
         return self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
 
+    @property
+    def leads_replica(self) -> bool:
+        """One rank per data-parallel replica: coordinate 0 of the pp, cp and tp axes (its peers
+        on those axes read the same samples)."""
+        if self.mesh is None:
+            return True
+        coordinate = dict(zip(MESH_AXES, self.mesh.get_coordinate() or [], strict=True))
+        return all(coordinate[axis] == 0 for axis in ("pp", "cp", "tp"))
+
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 

@@ -133,7 +133,7 @@ class Trainer:
         self._bad_steps = 0
         self._bad_from = 0
         self.lineage: list[dict[str, Any]] = []
-        self.ledger = LedgerWriter(run_dir, ctx.rank)
+        self.ledger = LedgerWriter(run_dir, ctx.rank, ctx.dp_rank, writes=ctx.leads_replica)
 
     # --- state -------------------------------------------------------------------------------
     def components(self) -> dict[str, Any]:
@@ -222,7 +222,8 @@ class Trainer:
         self.ledger.count_launches()
         if self.ctx.distributed:  # every rank has read the launch count before rank 0 appends
             dist.barrier()
-        self.ledger.start_launch(self.state.step, self.ctx.world_size)
+        self.ledger.start_launch(self.state.step, self.ctx.world_size, self.ctx.dims.dp,
+                                 self.layout.global_batch)
         self._emit_start()
         t_start = time.perf_counter()
         self.monitors.start()
@@ -307,8 +308,8 @@ class Trainer:
         self.ledger.count_launches()
         if self.ctx.distributed:
             dist.barrier()
-        self.ledger.start_launch(self.state.step, self.ctx.world_size,
-                                 skipped=(self._bad_from, bad_to))
+        self.ledger.start_launch(self.state.step, self.ctx.world_size, self.ctx.dims.dp,
+                                 self.layout.global_batch, skipped=(self._bad_from, bad_to))
         self.events.emit("rollback", self.state.step, path=str(checkpoint),
                          skipped_samples=[self._bad_from, bad_to], bad_steps=self._bad_steps)
         self._bad_steps = 0
