@@ -84,8 +84,8 @@ def test_audit_checks_replicas_batch_size_and_declared_skips(tmp_path):
     assert audit(tmp_path / "ok").exact
 
     # a replica that wrote nothing, and a tp peer that wrote the same replica's record again
-    _write_ledger(tmp_path / "missing", [launch], good[:1] + [
-        (1, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]})])
+    peer = (1, {"launch": 0, "step": 1, "dp_rank": 0, "ranges": [[0, 2]]})
+    _write_ledger(tmp_path / "missing", [launch], [good[0], peer])
     problems = audit(tmp_path / "missing").problems
     assert any("data-parallel ranks [1] of 2 wrote no record" in p for p in problems), problems
     assert any("recorded it more than once" in p for p in problems), problems

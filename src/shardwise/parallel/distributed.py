@@ -40,6 +40,9 @@ class DistContext:
     dims: ParallelDims
     mesh: DeviceMesh | None  # None when world_size == 1
     dp_mesh: DeviceMesh | None = None  # dp_replicate x dp_shard flattened: ranks with different data
+    # The launcher's store, without the per-attempt prefix: keys set in it outlive a restart of
+    # the workers (None for one process without a group, or a group this code did not create).
+    store: dist.Store | None = None
 
     @property
     def is_main(self) -> bool:
@@ -115,6 +118,7 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
         return DistContext(rank, local_rank, 1, 1, device, dims, None)
     backend = resolve_backend(section, device_type)
     timeout = timedelta(seconds=section.timeout_s)
+    base_store = None
     if not dist.is_initialized():
         if store is None and world == 1 and not under_launcher():
             store = dist.HashStore()  # FSDP on one rank, in this process: a group of one
@@ -125,12 +129,14 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
                 is_master=(rank == 0 and not agent_store), timeout=timeout,
             )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base_store = store
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
     mesh, dp_mesh = build_mesh(dims, device.type)
-    return DistContext(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
+    return DistContext(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh,
+                       base_store)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:

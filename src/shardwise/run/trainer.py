@@ -36,6 +36,7 @@ from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.monitors import Monitors, gather_rows
 from shardwise.run.optim import Optimizers, lr_at
+from shardwise.run.resume import ResumeMode
 from shardwise.run.step import StepLog, StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
@@ -143,9 +144,12 @@ class Trainer:
             components["loss_scale"] = self.scaler
         return components
 
-    def resume_latest(self) -> None:
-        """Resume from the newest checkpoint whose files all verify; name every newer one that
-        did not, and why (collective: ranks hash their share of the files in parallel)."""
+    def start(self, mode: ResumeMode) -> None:
+        """Act on the resume rule (`run.resume`): load the newest checkpoint whose files all
+        verify, naming every newer one that did not and why (collective: ranks hash their share
+        of the files in parallel), or start from step 0."""
+        if mode is ResumeMode.FRESH:
+            return
         checkpoint, rejected = self.checkpointer.find_valid()
         if self.ctx.is_main:
             for stale in sorted(self.checkpointer.root.glob("step-*.staging")):
@@ -155,6 +159,11 @@ class Trainer:
         for verdict in rejected:
             self.events.emit("checkpoint_rejected", self.state.step, path=str(verdict.path),
                              problems=list(verdict.problems))
+        if checkpoint is None and mode is ResumeMode.IF_ANY:
+            if self.ctx.is_main:
+                print("warning: restarted before any valid checkpoint was written: training "
+                      "again from step 0 in the same run directory", file=sys.stderr)
+            return
         if checkpoint is None:
             details = "; ".join(f"{v.path.name}: {', '.join(v.problems)}" for v in rejected)
             raise UserError(f"no valid checkpoint to resume in {self.checkpointer.root}"

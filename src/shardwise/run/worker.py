@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint import Checkpointer
 from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
 from shardwise.run import rundir
 from shardwise.run.launch import ERRORS_DIR, with_data_hashes
+from shardwise.run.resume import ResumeMode, restart_attempt, resume_mode
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
@@ -35,30 +35,34 @@ from shardwise.telemetry.progress import ProgressSink
 def run_worker(spec: RunSpec, run_dir: Path, resume: bool = False,
                store: dist.Store | None = None, ui: bool = True,
                after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
-    """Train in this process as one rank of the world named by the environment.
+    """Train in this process as one rank of the world named by the environment. `resume` is
+    whether the user asked to continue the run; restarts are decided by `run.resume`.
 
     `after_fit(trainer)` runs on every rank after training (it may use collectives); its result
     is returned as `summary.extra` — tests use it to gather the final parameters.
     """
-    ctx = init_distributed(spec.parallel, store)
+    ctx = _init(spec, store)
     clean = False
     try:
-        summary = _train(spec, ctx, run_dir, resume, ui, after_fit=after_fit)
+        summary = _train(spec, ctx, run_dir, resume_mode(resume), ui, after_fit=after_fit)
         clean = True
         return summary
     finally:
         shutdown(clean)
 
 
-def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, resume: bool, ui: bool,
+def _init(spec: RunSpec, store: dist.Store | None = None) -> DistContext:
+    return init_distributed(spec.parallel, store, deterministic=spec.run.determinism != "fast")
+
+
+def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, mode: ResumeMode, ui: bool,
            data: PreparedData | None = None,
            after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
     data = data or _prepare_everywhere(spec, ctx)
     events = _event_log(spec, ctx, run_dir, ui)
     try:
         trainer = Trainer(spec, ctx, run_dir, data, events)
-        if resume:
-            trainer.resume_latest()
+        trainer.start(mode)
         summary = trainer.fit()
         if after_fit is not None:
             summary.extra = after_fit(trainer)
@@ -102,40 +106,48 @@ def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> Even
 
 
 def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
-    """Entry when torchrun started the CLI: agree on one run directory, then train. After a
-    torchrun restart (--max-restarts) a run with an explicit run.dir resumes from it."""
-    if restart_attempt() > 0 and spec.run.dir and (Path(spec.run.dir) / rundir.SPEC_FILE).exists():
-        resume_dir = spec.run.dir
-    ctx = init_distributed(spec.parallel)
+    """Entry when torchrun started the CLI: agree on one run directory, then train. The first
+    attempt chooses the directory and records it in the launcher's store, which outlives the
+    workers, so that an attempt after a restart (--max-restarts) finds the same run with or
+    without run.dir; whether it resumes is `run.resume`'s rule, as for every launcher."""
+    ctx = _init(spec)
     clean = False
     try:
         data = _prepare_everywhere(spec, ctx)
         spec = with_data_hashes(spec, data)
-        holder: list[object] = [None]
-        if ctx.is_main:
-            try:
-                path = rundir.existing_run_dir(resume_dir) if resume_dir else rundir.new_run_dir(spec)
-                rundir.write_spec(path, spec)
-                holder[0] = str(path)
-            except UserError as err:
-                holder[0] = err
-        if ctx.distributed:
-            dist.broadcast_object_list(holder, src=0)
-        if isinstance(holder[0], UserError):
-            raise holder[0]
-        summary = _train(spec, ctx, Path(str(holder[0])), resume_dir is not None, ui=True, data=data)
+        path = _agree_run_dir(spec, ctx, resume_dir)
+        summary = _train(spec, ctx, path, resume_mode(resume_dir is not None), ui=True, data=data)
         clean = True
         return summary
     finally:
         shutdown(clean)
 
 
+RUN_DIR_KEY = "shardwise/run_dir"
+
+
+def _agree_run_dir(spec: RunSpec, ctx: DistContext, resume_dir: str | None) -> Path:
+    store = ctx.store
+    if restart_attempt() > 0 and store is not None and store.check([RUN_DIR_KEY]):
+        return Path(store.get(RUN_DIR_KEY).decode())
+    holder: list[object] = [None]
+    if ctx.is_main:
+        try:
+            path = rundir.existing_run_dir(resume_dir) if resume_dir else rundir.new_run_dir(spec)
+            rundir.write_spec(path, spec)
+            holder[0] = str(path)
+            if store is not None:
+                store.set(RUN_DIR_KEY, str(path.resolve()))
+        except UserError as err:
+            holder[0] = err
+    if ctx.distributed:
+        dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], UserError):
+        raise holder[0]
+    return Path(str(holder[0]))
+
+
 FINAL_STATE = "final_state.pt"
-
-
-def restart_attempt() -> int:
-    """0 for the first start, N after the elastic agent restarted the workers N times."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def dump_final_state(trainer: Trainer) -> None:
@@ -167,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     try:
         spec = rundir.load_run_spec(run_dir, [])
-        if restart_attempt() > 0:  # the elastic agent restarted us: continue from a checkpoint
-            args.resume = Checkpointer(run_dir / "checkpoints", 0, False).latest() is not None
         run_worker(spec, run_dir, resume=args.resume,
                    after_fit=dump_final_state if args.dump_state else None)
     except UserError as err:
