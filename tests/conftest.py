@@ -52,3 +52,9 @@ def tiny_spec_dict(corpus: Path, run_dir: Path, **sections: dict) -> dict:
 
 def tiny_spec(corpus: Path, run_dir: Path, **sections: dict) -> RunSpec:
     return spec_from_dict(tiny_spec_dict(corpus, run_dir, **sections)).validate()
+
+
+def grid(names, default):
+    """pytest parameters for `names`, where those outside `default` carry the `grid` marker: the
+    default test command runs a representative row per kind of layout, `pytest -m grid` the rest."""
+    return [pytest.param(n, marks=() if n in default else pytest.mark.grid, id=str(n)) for n in names]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,86 @@ def train_single(spec: RunSpec, resume: bool = False) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
+
+
+SYNC_METHODS = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__", "numpy",
+                "cpu", "__array__")
+
+
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the tensor methods that read a value on the host (a device sync on a GPU).
+
+    Reads made by torch.optim are left out: AdamW reads its step counter, which lives in host
+    memory unless the optimizer is fused (CUDA's default here), where it stays on the device and
+    is never read — neither is a device sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS and "torch/optim/" not in sys._getframe(1).f_code.co_filename:
+            self.calls.append(f"{name} ({_caller()})")
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+
+
+def host_reads_per_step(store: Any, spec: RunSpec, steps: int) -> list[list[str]]:
+    """Train `steps` steps through `Trainer.steps()` (the hot path, no hooks) and return, for
+    every step after the first two, the host reads it made."""
+    from shardwise.data import prepare_data
+    from shardwise.parallel.distributed import init_distributed, shutdown
+    from shardwise.telemetry import EventLog
+
+    run_dir = Path(spec.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = init_distributed(spec.parallel, store)
+    try:
+        trainer = Trainer(spec, ctx, run_dir, prepare_data(spec.data), EventLog("t", ctx.rank, []))
+        gen = trainer.steps()
+        per_step = []
+        for i in range(steps):
+            counter = HostSyncCounter()
+            with counter:
+                next(gen)
+            if i >= 2:
+                per_step.append(counter.calls)
+        trainer.monitors.close()
+        return per_step
+    finally:
+        shutdown(clean=True)
+
+
+def activation_dtypes(store: Any, spec: RunSpec) -> dict[str, str]:
+    """The output dtype of every module during one training step."""
+    from shardwise.data import prepare_data
+    from shardwise.parallel.distributed import init_distributed, shutdown
+    from shardwise.parallel.parallelize import unwrap
+    from shardwise.telemetry import EventLog
+
+    run_dir = Path(spec.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = init_distributed(spec.parallel, store)
+    try:
+        trainer = Trainer(spec, ctx, run_dir, prepare_data(spec.data), EventLog("t", ctx.rank, []))
+        seen: dict[str, str] = {}
+
+        def record(name: str) -> Any:
+            def hook(module: Any, args: Any, out: Any) -> None:
+                if torch.is_tensor(out):
+                    seen.setdefault(name, str(out.dtype))
+            return hook
+
+        for part in trainer.model.parts:
+            for name, module in unwrap(part).named_modules():
+                module.register_forward_hook(record(name))
+        next(trainer.steps())
+        trainer.monitors.close()
+        return seen
+    finally:
+        shutdown(clean=True)

@@ -14,6 +14,7 @@ Order, and why it is fixed:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -74,8 +75,9 @@ class ParallelModel:
         if self.phase_hook is not None:
             self.phase_hook(name)
 
-    @property
+    @functools.cached_property
     def tp_rank(self) -> int:
+        """(Cached: slicing a mesh builds a new DeviceMesh, too slow for every step.)"""
         return self.ctx.mesh["tp"].get_local_rank() if self.ctx.mesh is not None else 0
 
     @property

@@ -9,9 +9,10 @@ pipeline parallel alike:
   its bf16 output to it), the norms (with fp32 weights), and the loss, computed on fp32 logits.
 
 FSDP is the one layout that stores parameters differently, and only where it changes no number:
-it gathers the weights of `nn.Linear` modules already cast to the compute dtype (the cast autocast
-would make anyway, at half the all-gather bytes) and every other parameter in fp32, and never
-casts a module's inputs (`shardwise.parallel.data_parallel.fsdp_policies`).
+under bf16 it gathers the weights of `nn.Linear` modules already cast to bf16 (the cast autocast
+would make anyway, at half the all-gather bytes) and every other parameter in fp32; under fp16 it
+gathers everything in fp32 (see `shardwise.parallel.data_parallel.fsdp_policies` for why); it
+never casts a module's inputs.
 
 What still differs between layouts is the order of fp32 sums (gradient reduction, accumulation)
 and, under tensor parallel, one extra bf16 rounding: a row-parallel matmul rounds each rank's
