@@ -251,6 +251,31 @@ def test_config_path_is_a_directory(tmp_path):
         load_spec(tmp_path)
 
 
+@pytest.mark.parametrize(("name", "problem"), [
+    ("../../etc", "starts with '.'"),
+    ("a/b", "contains '/'"),
+    ("a\\b", "contains '\\\\'"),
+    ("", "is empty"),
+    ("x" * 101, "has 101 characters (at most 100)"),
+    ("-rf", "starts with '-'"),
+    (".hidden", "starts with '.'"),
+    ("two words", "contains ' '"),
+    ("r\u00e9sum\u00e9", "contains '\u00e9'"),
+    ("tab\there", "contains '\\t'"),
+])
+def test_run_name_must_be_one_plain_path_component(name, problem):
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({"run": {"name": name}}).validate()
+    message = str(info.value)
+    assert message.startswith("run.name = ") and problem in message, message
+    assert "run.dir" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 100, "my_run-2.v1", "_private", "7"])
+def test_plain_run_names_are_accepted(name):
+    assert spec_from_dict({"run": {"name": name}}).validate().run.name == name
+
+
 # --- the CLI -------------------------------------------------------------------------------------
 
 
@@ -408,6 +433,19 @@ def test_cli_subprocess_unknown_key_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert list(tmp_path.iterdir()) == []  # nothing written, no runs/ folder
+
+
+def test_cli_subprocess_run_name_that_is_a_path_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--set", "run.name=../x",
+                           "--print-spec"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: run.name = '../x' starts with '.'")
+    assert "\n\n" not in proc.stderr.strip() and "Traceback" not in proc.stderr
+    assert "run.dir" in flat(proc.stderr) and proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- layouts refused up front (hybrid parallelism) ------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_FAMILIES = ("gpt",)
+RUN_NAME_MAX = 100
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class RunSection:
     tf32: bool = True
 
     def validate(self) -> None:
+        _check_run_name(self.name)
         _at_least("run.seed", self.seed, 0)
         _choice("run.determinism", self.determinism, DETERMINISM)
         _positive("run.steps", self.steps)
@@ -443,6 +447,35 @@ class RunSpec:
         """A copy with some fields of one section changed (and nothing validated)."""
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section),
                                                                          **changes)})
+
+
+def _check_run_name(name: str) -> None:
+    """The name becomes the folder `runs/<name>-<time>`: anything but one plain path component
+    (`..`, `/`, a leading `-` that tools read as an option) would write somewhere else."""
+    if not name:
+        problem = "is empty"
+    elif len(name) > RUN_NAME_MAX:
+        problem = f"has {len(name)} characters (at most {RUN_NAME_MAX})"
+    elif name[0] in ".-":
+        problem = f"starts with {name[0]!r}"
+    elif not _RUN_NAME.fullmatch(name):
+        bad = next(c for c in name if not (c.isascii() and (c.isalnum() or c in "._-")))
+        problem = f"contains {bad!r}"
+    else:
+        return
+    raise SpecError(
+        f"run.name = {_show(name)} {problem}. The name becomes the run directory "
+        "runs/<name>-<time>, so it must be one plain path component: 1 to "
+        f"{RUN_NAME_MAX} letters, digits, '.', '_' or '-', not starting with '.' or '-'. Pick a "
+        "plain name such as \"shakespeare-gpt\"; to train somewhere else, set run.dir to the run "
+        "directory itself."
+    )
+
+
+def _show(value: object, limit: int = 80) -> str:
+    """`repr` cut to `limit` characters, so that a long bad value keeps a message readable."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
 def _divisors(n: int) -> list[int]:
