@@ -415,10 +415,14 @@ def test_cli_print_spec(capsys, small_corpus):
         h.update(len(raw).to_bytes(8, "little"))
         h.update(raw)
     assert data["content_hash"] == h.hexdigest()
-    # the printed spec is the default spec plus the source and hashes
+    # the printed spec is the default spec plus the source, the hashes and the worker count
+    # that `parallel.nproc = 0` resolves to on this machine
+    from shardwise.parallel.devices import resolve_nproc
+
     expected = RunSpec().replace("data", source=str(small_corpus),
                                  content_hash=data["content_hash"],
                                  tokenizer_hash=data["tokenizer_hash"])
+    expected = expected.replace("parallel", nproc=resolve_nproc(expected.parallel))
     assert spec_from_dict(parsed).validate() == expected
 
 
