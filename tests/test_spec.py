@@ -199,6 +199,23 @@ BAD_OVERRIDES = {
     "bad-choice": (["run.precision=fp8"], ["run.precision is 'fp8'", "'fp32', 'bf16', 'fp16'"]),
     "no-equals": (["optimizer.lr"], ["--set 'optimizer.lr' is not of the form section.key=value"]),
     "no-dot": (["steps=5"], ["--set 'steps=5' is not of the form section.key=value"]),
+    "no-key": (["run.=5"], ["--set 'run.=5' is not of the form section.key=value"]),
+    "two-dots": (["run.a.b=1"], ["names the key run.a.b, with more than one dot",
+                                 "Valid keys of [run]: name, dir"]),
+    "inf": (["optimizer.lr=inf"], ["optimizer.lr must be a finite number, got inf"]),
+    "nan": (["model.init_std=nan"], ["model.init_std must be a finite number, got nan"]),
+    "int-beyond-float": (["optimizer.lr=1" + "0" * 400], ["optimizer.lr must be a finite number"]),
+    "int64": (["run.seed=9223372036854775808"],
+              ["run.seed = 9223372036854775808 does not fit in 64 bits"]),
+    "huge-batch": (["batch.global_batch=9223372036854775807", "batch.micro_batch=2"],
+                   ["Pick a micro_batch among the divisors of 9223372036854775807"]),
+    "many-divisors": (["batch.global_batch=720720", "batch.micro_batch=17"],
+                      ["among [1, 2, 3, 4, 5, 6, 7, 8, ..., 180180, 240240, 360360, 720720]"]),
+    "two-values": (["run.steps=1\nseed = 2"], ["run.steps must be a whole number", "'1\\nseed = 2'"]),
+    "nul": (["data.source=a\x00b"], ["data.source = 'a\\x00b' contains a NUL character"]),
+    "not-utf8": (["run.dir=caf\udce9"], ["run.dir = 'caf\\udce9' is not valid UTF-8 text"]),
+    "fault-nan-ms": (['failure.faults="slow:ms=nan"'], ["ms='nan'", "finite number of at least 0"]),
+    "fault-step-0": (['failure.faults="kill:step=0"'], ["step='0'", "whole number of at least 1"]),
 }
 
 
@@ -228,6 +245,25 @@ def test_section_must_be_a_table(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("run = 5\n")
     with pytest.raises(SpecError, match=r"\[run\] in .* must be a table of keys, got 5"):
+        load_spec(path)
+
+
+def test_override_into_a_section_that_is_not_a_table(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("run = 5\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["run.steps=3"])
+    assert f"--set 'run.steps=3' cannot go into [run]: {path} sets run = 5" in str(info.value)
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    (b"[run]\nname = \"caf\xe9\"\n", "is not UTF-8 text (byte 0xe9 at offset 17)"),
+    (b"v = " + b"[" * 3000, "nests arrays or tables too deeply"),
+])
+def test_unreadable_toml_bytes(tmp_path, raw, needle):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(raw)
+    with pytest.raises(SpecError, match=re.escape(needle)):
         load_spec(path)
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.errors import SpecError
+from shardwise.errors import SpecError, show
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -83,8 +84,8 @@ class ModelSection:
         if self.d_model % self.n_heads:
             raise SpecError(
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads "
-                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among the "
-                f"divisors of d_model: {_divisors(self.d_model)}."
+                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among "
+                f"{_divisors(self.d_model)} (the divisors of d_model)."
             )
         if (self.d_model // self.n_heads) % 2:
             raise SpecError(
@@ -233,7 +234,7 @@ class ParallelSection:
         _choice("parallel.backend", self.backend, BACKENDS)
         if (self.device, self.backend) in (("cpu", "nccl"), ("cuda", "gloo")):
             raise SpecError(
-                f"parallel.backend = {self.backend!r} with parallel.device = {self.device!r}: "
+                f"parallel.backend = {show(self.backend)} with parallel.device = {show(self.device)}: "
                 + ("NCCL runs collectives on GPUs only. Use backend = \"gloo\" (or \"auto\") "
                    "for CPU training." if self.backend == "nccl" else
                    "gloo cannot run FSDP's and tensor parallel's collectives on CUDA tensors. Use "
@@ -342,24 +343,24 @@ class CheckpointSection:
         _at_least("checkpoint.keep_every", self.keep_every, 0)
         scheme, sep, rest = self.uri.strip().partition("://")
         if sep and scheme not in ("s3", "file"):
-            raise SpecError(f"checkpoint.uri = {self.uri!r}: the scheme {scheme!r} is not "
+            raise SpecError(f"checkpoint.uri = {show(self.uri)}: the scheme {show(scheme)} is not "
                             "supported. Use s3://BUCKET/PREFIX for S3-compatible storage, a local "
                             "directory, or \"\" for RUN_DIR/checkpoints.")
         if scheme == "s3" and sep:
             bucket = rest.split("/", 1)[0]
             if "@" in bucket or ":" in bucket:
-                raise SpecError(f"checkpoint.uri = {self.uri!r} carries credentials or a port; "
+                raise SpecError(f"checkpoint.uri = {show(self.uri)} carries credentials or a port; "
                                 "write s3://BUCKET/PREFIX, put the server in checkpoint.endpoint_url "
                                 "and the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
             if not bucket:
-                raise SpecError(f"checkpoint.uri = {self.uri!r} names no bucket; write "
+                raise SpecError(f"checkpoint.uri = {show(self.uri)} names no bucket; write "
                                 "s3://BUCKET/PREFIX.")
         if (self.endpoint_url or self.region or self.profile) and not (sep and scheme == "s3"):
             raise SpecError("checkpoint.endpoint_url, region and profile apply to s3:// URIs only; "
-                            f"checkpoint.uri is {self.uri!r}. Set checkpoint.uri = "
+                            f"checkpoint.uri is {show(self.uri)}. Set checkpoint.uri = "
                             "\"s3://BUCKET/PREFIX\" or clear them.")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
-            raise SpecError(f"checkpoint.endpoint_url = {self.endpoint_url!r} must start with "
+            raise SpecError(f"checkpoint.endpoint_url = {show(self.endpoint_url)} must start with "
                             "http:// or https:// (e.g. http://127.0.0.1:9000).")
 
 
@@ -464,7 +465,7 @@ def _check_run_name(name: str) -> None:
     else:
         return
     raise SpecError(
-        f"run.name = {_show(name)} {problem}. The name becomes the run directory "
+        f"run.name = {show(name)} {problem}. The name becomes the run directory "
         "runs/<name>-<time>, so it must be one plain path component: 1 to "
         f"{RUN_NAME_MAX} letters, digits, '.', '_' or '-', not starting with '.' or '-'. Pick a "
         "plain name such as \"shakespeare-gpt\"; to train somewhere else, set run.dir to the run "
@@ -472,14 +473,17 @@ def _check_run_name(name: str) -> None:
     )
 
 
-def _show(value: object, limit: int = 80) -> str:
-    """`repr` cut to `limit` characters, so that a long bad value keeps a message readable."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int) -> str:
+    """The divisors of `n` for a message, as "[1, 2, 4]": found up to sqrt(n) (an int64 field
+    would take hours by trial of every number), abridged when there are many, and not listed at
+    all for a number no sane batch or width reaches."""
+    if n > 10**12:
+        return f"the divisors of {n}"
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = low + [n // d for d in reversed(low) if d * d != n]
+    if len(found) > 16:
+        return "[" + ", ".join(map(str, found[:8])) + ", ..., " + ", ".join(map(str, found[-4:])) + "]"
+    return str(found)
 
 
 def _positive(name: str, value: float) -> None:
@@ -494,4 +498,4 @@ def _at_least(name: str, value: float, low: float) -> None:
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise SpecError(f"{name} is {value!r}; choose one of {', '.join(map(repr, choices))}.")
+        raise SpecError(f"{name} is {show(value)}; choose one of {', '.join(map(repr, choices))}.")
