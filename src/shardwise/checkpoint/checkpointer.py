@@ -316,6 +316,10 @@ class Checkpointer:
     def find_valid(self) -> tuple[Location | None, list[Verdict]]:
         """The newest checkpoint whose every file matches its recorded size and SHA-256, and the
         verdicts of the newer ones that did not (collective: ranks hash in parallel)."""
+        self.wait()
+        if self.rank == 0:
+            self.storage.recover()
+        self._barrier()  # every rank lists the same directories, recovered ones included
         rejected: list[Verdict] = []
         for path in self.candidates():
             verdict = verify(path, self.rank, self.world, self.distributed, self.group)
@@ -325,7 +329,11 @@ class Checkpointer:
         return None, rejected
 
     def latest(self) -> Location | None:
-        """Newest checkpoint whose meta.json lists files of the right sizes (no hashing)."""
+        """Newest checkpoint whose meta.json lists files of the right sizes (no hashing; not
+        collective, so only rank 0 puts back an interrupted re-save first)."""
+        self.wait()
+        if self.rank == 0:
+            self.storage.recover()
         return next((p for p in self.candidates() if sizes_match(p)), None)
 
     def load(self, path: Location, components: dict[str, Any]) -> dict[str, Any]:
