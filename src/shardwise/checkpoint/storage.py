@@ -39,7 +39,6 @@ environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN), a n
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import ctypes.util
 import errno
@@ -60,6 +59,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from shardwise.checkpoint.staging import HostStager
 from shardwise.errors import UserError
 from shardwise.utils.files import atomic_write_text
 
@@ -71,33 +71,16 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
 # --- staging: the copy to host memory that an async save waits for ---------------------------
-def host_copy(obj: Any) -> Any:
-    """A deep copy of a state dict whose tensors are new CPU tensors (DTensors keep their mesh and
-    placements). DCP's own staging only moves tensors to the CPU in some torch versions, which on a
-    CPU run aliases the live parameters that the next optimizer step overwrites."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                  shape=obj.shape, stride=obj.stride())
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: host_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        items = [host_copy(value) for value in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if obj is None or isinstance(obj, int | float | str | bytes | bool):
-        return obj
-    return copy.deepcopy(obj)
-
-
 class _HostCopyStage:
-    """Mixin for DCP writers: `dcp.async_save` stages through the writer's `stage()`."""
+    """Mixin for DCP writers: `dcp.async_save` stages through the writer's `stage()`, here into
+    the host buffers of the checkpointer's `HostStager` (one for the writer alone without it)."""
+
+    stager: HostStager | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return host_copy(state_dict)
+        if self.stager is None:
+            self.stager = HostStager()
+        return self.stager.stage(state_dict)
 
 
 class _LocalWriter(_HostCopyStage, FileSystemWriter):
@@ -213,8 +196,11 @@ class Storage:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
 
-    def writer(self, location: Location) -> Any:
-        return _LocalWriter(str(location))
+    def writer(self, location: Location, stager: HostStager | None = None) -> Any:
+        """A DCP writer for `location`; an async save stages through `stager`."""
+        writer = _LocalWriter(str(location))
+        writer.stager = stager
+        return writer
 
     def reader(self, location: Location) -> Any:
         return FileSystemReader(str(location))
@@ -291,8 +277,10 @@ class ObjectStorage(Storage):
     def prepare(self, staging: Location, final: Location) -> None:
         self.remove(final)  # a stale partial save, or an earlier save of the same step
 
-    def writer(self, location: Location) -> Any:
-        return _fsspec_writer_class()(str(location), **self.storage_options)
+    def writer(self, location: Location, stager: HostStager | None = None) -> Any:
+        writer = _fsspec_writer_class()(str(location), **self.storage_options)
+        writer.stager = stager
+        return writer
 
     def reader(self, location: Location) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
