@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import tiny_spec
 from shardwise.checkpoint.checkpointer import Checkpointer
-from shardwise.checkpoint.storage import host_copy
+from shardwise.checkpoint.staging import HostStager
 from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
@@ -48,7 +48,7 @@ def test_host_copy_never_aliases_live_tensors():
     """The staged copy must not share memory with the parameters the next step overwrites (DCP's
     own staging only moves tensors to the CPU in some torch versions: a no-op on a CPU run)."""
     live = {"w": torch.ones(4), "nested": {"m": [torch.zeros(2), 3]}, "n": "text"}
-    staged = host_copy(live)
+    staged = HostStager().stage(live)
     live["w"].add_(1)
     live["nested"]["m"][0].add_(1)
     assert torch.equal(staged["w"], torch.ones(4))
@@ -74,6 +74,13 @@ def test_async_and_sync_saves_load_to_identical_state(small_corpus, tmp_path):
         assert first["bytes"] > 0 and first["stall_s"] > 0
         # the step loop waits for the whole of a synchronous save; an async one writes behind it
         assert (first["write_s"] > 0) if mode else (first["write_s"] == 0)
+        assert first["device_peak_bytes"] is None  # CPU
+        # async: one reused host buffer per tensor this rank holds — its half of the parameters
+        # (the tied embedding once) and of the AdamW state; synchronous saves stage nothing
+        state = events(run_dir, "model_state")[0]
+        held = state["param_bytes_per_rank"][0] + state["optimizer_bytes_per_rank"][0]
+        assert first["host_staging_bytes"] == (held if mode else 0)
+        assert second["host_staging_bytes"] == first["host_staging_bytes"]
     for step in ("step-000002", "step-000004"):
         a, b = (dirs[m] / "checkpoints" / step for m in (True, False))
         state_a, rng_a = _state(a, tmp_path)

@@ -199,6 +199,23 @@ BAD_OVERRIDES = {
     "bad-choice": (["run.precision=fp8"], ["run.precision is 'fp8'", "'fp32', 'bf16', 'fp16'"]),
     "no-equals": (["optimizer.lr"], ["--set 'optimizer.lr' is not of the form section.key=value"]),
     "no-dot": (["steps=5"], ["--set 'steps=5' is not of the form section.key=value"]),
+    "no-key": (["run.=5"], ["--set 'run.=5' is not of the form section.key=value"]),
+    "two-dots": (["run.a.b=1"], ["names the key run.a.b, with more than one dot",
+                                 "Valid keys of [run]: name, dir"]),
+    "inf": (["optimizer.lr=inf"], ["optimizer.lr must be a finite number, got inf"]),
+    "nan": (["model.init_std=nan"], ["model.init_std must be a finite number, got nan"]),
+    "int-beyond-float": (["optimizer.lr=1" + "0" * 400], ["optimizer.lr must be a finite number"]),
+    "int64": (["run.seed=9223372036854775808"],
+              ["run.seed = 9223372036854775808 does not fit in 64 bits"]),
+    "huge-batch": (["batch.global_batch=9223372036854775807", "batch.micro_batch=2"],
+                   ["Pick a micro_batch among the divisors of 9223372036854775807"]),
+    "many-divisors": (["batch.global_batch=720720", "batch.micro_batch=17"],
+                      ["among [1, 2, 3, 4, 5, 6, 7, 8, ..., 180180, 240240, 360360, 720720]"]),
+    "two-values": (["run.steps=1\nseed = 2"], ["run.steps must be a whole number", "'1\\nseed = 2'"]),
+    "nul": (["data.source=a\x00b"], ["data.source = 'a\\x00b' contains a NUL character"]),
+    "not-utf8": (["run.dir=caf\udce9"], ["run.dir = 'caf\\udce9' is not valid UTF-8 text"]),
+    "fault-nan-ms": (['failure.faults="slow:ms=nan"'], ["ms='nan'", "finite number of at least 0"]),
+    "fault-step-0": (['failure.faults="kill:step=0"'], ["step='0'", "whole number of at least 1"]),
 }
 
 
@@ -231,6 +248,25 @@ def test_section_must_be_a_table(tmp_path):
         load_spec(path)
 
 
+def test_override_into_a_section_that_is_not_a_table(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("run = 5\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["run.steps=3"])
+    assert f"--set 'run.steps=3' cannot go into [run]: {path} sets run = 5" in str(info.value)
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    (b"[run]\nname = \"caf\xe9\"\n", "is not UTF-8 text (byte 0xe9 at offset 17)"),
+    (b"v = " + b"[" * 3000, "nests arrays or tables too deeply"),
+])
+def test_unreadable_toml_bytes(tmp_path, raw, needle):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(raw)
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        load_spec(path)
+
+
 def test_invalid_toml_file(tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text("[run]\nsteps = = 3\n")
@@ -249,6 +285,31 @@ def test_missing_config_file(tmp_path):
 def test_config_path_is_a_directory(tmp_path):
     with pytest.raises(SpecError, match="is a directory"):
         load_spec(tmp_path)
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("../../etc", "starts with '.'"),
+    ("a/b", "contains '/'"),
+    ("a\\b", "contains '\\\\'"),
+    ("", "is empty"),
+    ("x" * 101, "has 101 characters (at most 100)"),
+    ("-rf", "starts with '-'"),
+    (".hidden", "starts with '.'"),
+    ("two words", "contains ' '"),
+    ("r\u00e9sum\u00e9", "contains '\u00e9'"),
+    ("tab\there", "contains '\\t'"),
+])
+def test_run_name_must_be_one_plain_path_component(name, problem):
+    with pytest.raises(SpecError) as info:
+        spec_from_dict({"run": {"name": name}}).validate()
+    message = str(info.value)
+    assert message.startswith("run.name = ") and problem in message, message
+    assert "run.dir" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 100, "my_run-2.v1", "_private", "7"])
+def test_plain_run_names_are_accepted(name):
+    assert spec_from_dict({"run": {"name": name}}).validate().run.name == name
 
 
 # --- the CLI -------------------------------------------------------------------------------------
@@ -390,10 +451,14 @@ def test_cli_print_spec(capsys, small_corpus):
         h.update(len(raw).to_bytes(8, "little"))
         h.update(raw)
     assert data["content_hash"] == h.hexdigest()
-    # the printed spec is the default spec plus the source and hashes
+    # the printed spec is the default spec plus the source, the hashes and the worker count
+    # that `parallel.nproc = 0` resolves to on this machine
+    from shardwise.parallel.devices import resolve_nproc
+
     expected = RunSpec().replace("data", source=str(small_corpus),
                                  content_hash=data["content_hash"],
                                  tokenizer_hash=data["tokenizer_hash"])
+    expected = expected.replace("parallel", nproc=resolve_nproc(expected.parallel))
     assert spec_from_dict(parsed).validate() == expected
 
 
@@ -408,6 +473,19 @@ def test_cli_subprocess_unknown_key_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert list(tmp_path.iterdir()) == []  # nothing written, no runs/ folder
+
+
+def test_cli_subprocess_run_name_that_is_a_path_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--set", "run.name=../x",
+                           "--print-spec"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: run.name = '../x' starts with '.'")
+    assert "\n\n" not in proc.stderr.strip() and "Traceback" not in proc.stderr
+    assert "run.dir" in flat(proc.stderr) and proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- layouts refused up front (hybrid parallelism) ------------------------------------------------

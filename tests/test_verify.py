@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,3 +66,25 @@ def test_a_tolerance_the_layout_cannot_meet_fails(small_corpus, tmp_path):
                    "--rtol", "1e-15")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "verify: FAIL" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["--layouts", "dp1,zero3-4"],
+    ["--layouts", "dp1", "--restart-at", "2", "--resume-layout", "zero3-4"],
+], ids=["layout", "resume-layout"])
+def test_every_layout_is_checked_before_any_trains(small_corpus, tmp_path, args):
+    """zero3-4 needs global_batch to be a multiple of micro_batch 8 x dp 4 = 32; dp1 (first) could
+    run. The refusal comes before dp1 trains: exit 2, the layout named, no run directory."""
+    t0 = time.perf_counter()
+    proc = _verify(small_corpus, tmp_path, *args, "--steps", "4",
+                   "--set", "batch.global_batch=16", "--set", "batch.micro_batch=8")
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert message.startswith("error: layout ") and "zero3-4 cannot run this job" in message
+    assert "batch.global_batch (16) is not a multiple of batch.micro_batch (8) * data-parallel " \
+           "degree (4) = 32" in message
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    out = tmp_path / "verify"
+    assert not out.exists() or list(out.iterdir()) == []
+    assert seconds < 60, seconds  # start-up and data preparation only (a training run adds more)

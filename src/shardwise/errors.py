@@ -14,3 +14,10 @@ class UserError(Exception):
 
 class SpecError(UserError):
     """The RunSpec is invalid: unknown key, wrong type, or values that do not fit together."""
+
+
+def show(value: object, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters: a message quotes what
+    the user wrote so they can find it, and stays one readable paragraph when that was long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 6]} ... {text[-2:]}"

@@ -8,12 +8,14 @@ storage — is the storage layer's business (`shardwise.checkpoint.storage`). A 
 is loaded only if its meta.json exists and every file matches it.
 
 Async save (`checkpoint.async_save`): the step loop waits only while the state is copied to host
-memory; `dcp.async_save` then writes the shards from a background thread on a process group of its
-own (gloo), so its collectives never interleave with training collectives, and a second thread of
-ours finishes the job in the same order as a synchronous save — rng files, hashes, meta.json,
-commit, retention. One save is in flight at a time: the next save, every read of the checkpoints
-(find_valid, latest, load) and `wait()` at the end of the run first wait for it. A crash during
-the background write leaves an uncommitted save that is never loaded, exactly as a crash during a
+memory, into buffers that the checkpointer's `HostStager` keeps and reuses from save to save (pinned
+when CUDA is available; DTensors staged with CPU local shards, see `shardwise.checkpoint.staging`);
+`dcp.async_save` then writes the shards from a background thread on a process group of its own
+(gloo), so its collectives never interleave with training collectives, and a second thread of ours
+finishes the job in the same order as a synchronous save — rng files, hashes, meta.json, commit,
+retention. One save is in flight at a time: the next save, every read of the checkpoints
+(find_valid, latest, load) and `wait()` at the end of the run first wait for it. A crash during the
+background write leaves an uncommitted save that is never loaded, exactly as a crash during a
 synchronous one.
 
 The checkpointer knows nothing of the insides of what it saves: it receives a dict of Stateful
@@ -47,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.checkpoint.integrity import META, Verdict, hash_files, sizes_match, verify
+from shardwise.checkpoint.staging import HostStager
 from shardwise.checkpoint.storage import (
     Location,
     Storage,
@@ -58,6 +61,7 @@ from shardwise.checkpoint.storage import (
     torch_bytes,
 )
 from shardwise.errors import UserError
+from shardwise.telemetry.memory import peak_during
 
 
 class ModelState(Stateful):
@@ -123,7 +127,11 @@ class SaveRecord:
     """What one save cost, for the `checkpoint` event. `stall_s` is the time the step loop was
     blocked (waiting for the previous save, staging, and for a synchronous save the whole save);
     `write_s` the background part, from the end of staging to the commit (0 when synchronous), so
-    that stall + write is the save's whole time either way."""
+    that stall + write is the save's whole time either way. `device_peak_bytes` (CUDA; None
+    elsewhere) is the peak allocated device memory while the step loop was in the save: the
+    staging of an async save, the whole of a synchronous one; `host_staging_bytes` the host
+    buffers an async save copies into (0 for a synchronous save, which writes from the live
+    tensors)."""
 
     step: int
     path: Location
@@ -133,11 +141,15 @@ class SaveRecord:
     write_s: float = 0.0
     bytes: int = 0
     save_seconds: float = 0.0  # from the save call to the commit
+    device_peak_bytes: int | None = None
+    host_staging_bytes: int = 0
 
     def event_fields(self) -> dict[str, Any]:
         return {"path": str(self.path), "mode": self.mode, "stall_s": round(self.stall_s, 4),
                 "waited_s": round(self.waited_s, 4), "write_s": round(self.write_s, 4),
-                "bytes": self.bytes, "save_seconds": round(self.save_seconds, 4)}
+                "bytes": self.bytes, "save_seconds": round(self.save_seconds, 4),
+                "device_peak_bytes": self.device_peak_bytes,
+                "host_staging_bytes": self.host_staging_bytes}
 
 
 @dataclass
@@ -151,9 +163,10 @@ class _Pending:
 class Checkpointer:
     def __init__(self, root: Path, rank: int, distributed: bool, keep_last: int = 0,
                  keep_every: int = 0, *, storage: Storage | None = None, async_save: bool = False,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, device: torch.device | None = None) -> None:
         """`root` is RUN_DIR/checkpoints; without `storage`, the checkpoints are wherever that
-        directory's location.json says (see `for_run`), else in it."""
+        directory's location.json says (see `for_run`), else in it. `device` is where the
+        saved tensors live (their peak memory is measured on CUDA)."""
         self.storage = storage if storage is not None else follow_location(root)
         self.root: Location = self.storage.root
         self.rank = rank
@@ -161,6 +174,9 @@ class Checkpointer:
         self.world = dist.get_world_size() if distributed else 1
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save = async_save
+        self.device = device
+        # The host buffers of every async save, kept (and reused) as long as the checkpointer.
+        self.stager = HostStager(pin=None if device is None else device.type == "cuda")
         self._pending: _Pending | None = None
         # A gloo group of its own (collective to create: every rank builds its Checkpointer at the
         # same point): background save collectives never interleave with training ones.
@@ -170,7 +186,7 @@ class Checkpointer:
 
     @classmethod
     def for_run(cls, local_root: Path, section: Any, rank: int, distributed: bool,
-                timeout_s: float = 300.0) -> Checkpointer:
+                timeout_s: float = 300.0, device: torch.device | None = None) -> Checkpointer:
         """The checkpointer a run's CheckpointSection describes. Rank 0 records a location other
         than `local_root` in local_root/location.json, so that code knowing only the run
         directory (restart detection, `train --resume`) finds the checkpoints."""
@@ -180,7 +196,8 @@ class Checkpointer:
             local_root.mkdir(parents=True, exist_ok=True)
             record_location(spec, storage, local_root)
         return cls(local_root, rank, distributed, section.keep_last, section.keep_every,
-                   storage=storage, async_save=section.async_save, timeout_s=timeout_s)
+                   storage=storage, async_save=section.async_save, timeout_s=timeout_s,
+                   device=device)
 
     def _barrier(self) -> None:
         if self.distributed:
@@ -212,18 +229,22 @@ class Checkpointer:
         pending = _Pending(record, on_committed)
         if not self.async_save:
             t_write = time.perf_counter()
-            with _quiet_single_process(self.distributed):
+            with _quiet_single_process(self.distributed), peak_during(self.device) as peak:
                 dcp.save(state, storage_writer=self.storage.writer(staging),
                          no_dist=not self.distributed)
+            record.device_peak_bytes = peak.bytes
             self._finish(pending, None, staging, final, meta, extra, on_written, t0, t_write)
             record.stall_s = time.perf_counter() - t0
             self._pending = pending
             self.wait()
             return final
-        future = dcp.async_save(state, storage_writer=self.storage.writer(staging),
-                                process_group=self.group, **_single_process_kwargs(self.distributed))
+        with peak_during(self.device) as peak:  # staging happens inside async_save
+            future = dcp.async_save(state, storage_writer=self.storage.writer(staging, self.stager),
+                                    process_group=self.group,
+                                    **_single_process_kwargs(self.distributed))
         t_write = time.perf_counter()
         record.stall_s = t_write - t0
+        record.device_peak_bytes, record.host_staging_bytes = peak.bytes, self.stager.nbytes
         pending.thread = threading.Thread(
             target=self._finish, name=f"checkpoint-step-{step}", daemon=True,
             args=(pending, future, staging, final, meta, extra, on_written, t0, t_write))
@@ -316,6 +337,10 @@ class Checkpointer:
     def find_valid(self) -> tuple[Location | None, list[Verdict]]:
         """The newest checkpoint whose every file matches its recorded size and SHA-256, and the
         verdicts of the newer ones that did not (collective: ranks hash in parallel)."""
+        self.wait()
+        if self.rank == 0:
+            self.storage.recover()
+        self._barrier()  # every rank lists the same directories, recovered ones included
         rejected: list[Verdict] = []
         for path in self.candidates():
             verdict = verify(path, self.rank, self.world, self.distributed, self.group)
@@ -325,7 +350,11 @@ class Checkpointer:
         return None, rejected
 
     def latest(self) -> Location | None:
-        """Newest checkpoint whose meta.json lists files of the right sizes (no hashing)."""
+        """Newest checkpoint whose meta.json lists files of the right sizes (no hashing; not
+        collective, so only rank 0 puts back an interrupted re-save first)."""
+        self.wait()
+        if self.rank == 0:
+            self.storage.recover()
         return next((p for p in self.candidates() if sizes_match(p)), None)
 
     def load(self, path: Location, components: dict[str, Any]) -> dict[str, Any]:

@@ -11,16 +11,25 @@ its `meta.json` exists and every file it lists has the recorded size and SHA-256
 
 - Disk: everything is written under `step-N.staging/`, each file fsync'd, `meta.json` written last,
   then the directory is renamed to `step-N/` and the parent fsync'd. A rename is atomic, so a crash
-  leaves at most a `.staging` directory, which the loader never looks at.
+  leaves at most a `.staging` directory, which the loader never looks at. Re-saving a step that
+  exists (e.g. `stop_at` on a cadence step, a step re-run after a rollback) must not delete the old
+  `step-N/` before the new one is in place: on Linux the two directories are swapped in one
+  `renameat2(RENAME_EXCHANGE)` and the old one, now under the staging name, is deleted. Where that
+  call is missing (another OS, an old libc) or the filesystem refuses it (EINVAL: some network and
+  FUSE filesystems), the old directory is renamed to `step-N.replaced`, the staging directory to
+  `step-N`, and `.replaced` deleted; a crash between the two renames leaves `.replaced` without
+  `step-N`, which `recover()` (rank 0, before the checkpoints are listed) renames back.
 - Object storage has no rename: a "rename" is a copy of every byte followed by deletes, and is not
-  atomic either. What it does have is an atomic PUT per object and read-after-write consistency
-  (AWS S3 since 2020, MinIO, Ceph, s3rver). So the shards go straight to `step-N/` and `meta.json`,
-  which lists every file with its size and SHA-256, is PUT last: a prefix without it, or whose
-  objects do not match it, is never loaded. Re-saving a step deletes its `meta.json` first, so the
-  old checkpoint stops counting before any of its objects change; retention deletes `meta.json`
-  first for the same reason. Staging on local disk and uploading afterwards was rejected: it
-  doubles the I/O and needs local room for a whole shard, and the upload would still depend on the
-  same meta-last rule for its atomicity.
+  atomic either. What it does have is an atomic PUT per object and read-after-write consistency (AWS
+  S3 since 2020, MinIO, Ceph, s3rver). So the shards go straight to `step-N/` and `meta.json`, which
+  lists every file with its size and SHA-256, is PUT last: a prefix without it, or whose objects do
+  not match it, is never loaded. Re-saving a step deletes its `meta.json` first, so the old
+  checkpoint stops counting before any of its objects change; retention deletes `meta.json` first
+  for the same reason. So, unlike on disk, re-saving a step that exists is not atomic: from the
+  start of the new save until its commit, that step has no valid checkpoint (a crash in between
+  leaves the next older one as the newest valid checkpoint). Staging on local disk and uploading
+  afterwards was rejected: it doubles the I/O and needs local room for a whole shard, and the upload
+  would still depend on the same meta-last rule for its atomicity.
 
 Credentials never go in the spec (it is copied into every checkpoint): they come from the
 environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN), a named profile of
@@ -30,13 +39,18 @@ environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN), a n
 from __future__ import annotations
 
 import contextlib
-import copy
+import ctypes
+import ctypes.util
+import errno
 import fnmatch
+import functools
 import io
 import json
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,43 +59,28 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from shardwise.checkpoint.staging import HostStager
 from shardwise.errors import UserError
 from shardwise.utils.files import atomic_write_text
 
 META = "meta.json"
 LOCATION_FILE = "location.json"  # in RUN_DIR/checkpoints when the checkpoints live elsewhere
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
+REPLACED = ".replaced"  # the old step-N while a re-save without renameat2 swaps in the new one
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
 # --- staging: the copy to host memory that an async save waits for ---------------------------
-def host_copy(obj: Any) -> Any:
-    """A deep copy of a state dict whose tensors are new CPU tensors (DTensors keep their mesh and
-    placements). DCP's own staging only moves tensors to the CPU in some torch versions, which on a
-    CPU run aliases the live parameters that the next optimizer step overwrites."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                  shape=obj.shape, stride=obj.stride())
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: host_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        items = [host_copy(value) for value in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if obj is None or isinstance(obj, int | float | str | bytes | bool):
-        return obj
-    return copy.deepcopy(obj)
-
-
 class _HostCopyStage:
-    """Mixin for DCP writers: `dcp.async_save` stages through the writer's `stage()`."""
+    """Mixin for DCP writers: `dcp.async_save` stages through the writer's `stage()`, here into
+    the host buffers of the checkpointer's `HostStager` (one for the writer alone without it)."""
+
+    stager: HostStager | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return host_copy(state_dict)
+        if self.stager is None:
+            self.stager = HostStager()
+        return self.stager.stage(state_dict)
 
 
 class _LocalWriter(_HostCopyStage, FileSystemWriter):
@@ -197,8 +196,11 @@ class Storage:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
 
-    def writer(self, location: Location) -> Any:
-        return _LocalWriter(str(location))
+    def writer(self, location: Location, stager: HostStager | None = None) -> Any:
+        """A DCP writer for `location`; an async save stages through `stager`."""
+        writer = _LocalWriter(str(location))
+        writer.stager = stager
+        return writer
 
     def reader(self, location: Location) -> Any:
         return FileSystemReader(str(location))
@@ -219,9 +221,27 @@ class Storage:
             _fsync_dir(directory)  # the files' directory entries, not just their bytes
         atomic_write_text(staging / META, meta_text)
         if final.exists():  # the same step saved again (e.g. stop_at == a cadence step)
-            shutil.rmtree(final)
-        os.replace(staging, final)
+            _replace_dir(staging, final)
+        else:
+            os.replace(staging, final)
         _fsync_dir(final.parent)
+
+    def recover(self) -> None:
+        """Rank 0, before listing: put back a `step-N` that a crash left as `step-N.replaced`
+        between the two renames of a re-save (and drop a `.replaced` whose `step-N` is back)."""
+        root = self.root
+        if not isinstance(root, Path) or not root.is_dir():
+            return
+        for old in root.glob(f"step-*{REPLACED}"):
+            final = old.with_name(old.name[: -len(REPLACED)])
+            if not STEP_DIR.match(final.name):
+                continue
+            if final.exists():  # the crash came after the new step-N was in place
+                shutil.rmtree(old, ignore_errors=True)
+                continue
+            with contextlib.suppress(FileNotFoundError):  # another process recovered it first
+                os.rename(old, final)
+                _fsync_dir(root)
 
     def remove(self, location: Location) -> None:
         """Delete a checkpoint, meta.json first so that a half-deleted one never verifies."""
@@ -239,7 +259,12 @@ class Storage:
 
 class ObjectStorage(Storage):
     """Checkpoints under an S3-compatible prefix, through fsspec/s3fs (see the module docstring
-    for why meta.json written last, and not a rename, is the commit)."""
+    for why meta.json written last, and not a rename, is the commit).
+
+    Re-saving a step that already exists is not atomic: the new save deletes the old save of that
+    step when it starts (`prepare`), so until its own meta.json is PUT that step has no valid
+    checkpoint, and if the new save fails or the job dies in between, the old one is gone — the
+    loader then falls back to the next older valid checkpoint."""
 
     def __init__(self, uri: str, fs: Any, storage_options: dict[str, Any]) -> None:
         scheme, _, key = uri.partition("://")
@@ -252,8 +277,10 @@ class ObjectStorage(Storage):
     def prepare(self, staging: Location, final: Location) -> None:
         self.remove(final)  # a stale partial save, or an earlier save of the same step
 
-    def writer(self, location: Location) -> Any:
-        return _fsspec_writer_class()(str(location), **self.storage_options)
+    def writer(self, location: Location, stager: HostStager | None = None) -> Any:
+        writer = _fsspec_writer_class()(str(location), **self.storage_options)
+        writer.stager = stager
+        return writer
 
     def reader(self, location: Location) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -264,7 +291,12 @@ class ObjectStorage(Storage):
         location.write_bytes(data)  # one PUT: atomic and durable once it returns
 
     def commit(self, staging: Location, final: Location, meta_text: str) -> None:
+        """meta.json, PUT last, is the commit. A re-save of an existing step is not atomic here
+        (see the module docstring): `prepare` already deleted the old save of this step."""
         (final / META).write_text(meta_text)
+
+    def recover(self) -> None:
+        """Nothing to put back: object storage never renames."""
 
     def remove(self, location: Location) -> None:
         assert isinstance(location, RemotePath)
@@ -455,6 +487,56 @@ def _s3_problem(err: Exception, uri: str, bucket: str, endpoint: str) -> str:
                 "Write it as http://HOST:PORT or https://HOST.")
     return (f"S3 check of checkpoint.uri = {uri!r} at {endpoint} failed: {name}: {err}. Check the "
             "endpoint, the credentials and the bucket.")
+
+
+# --- replacing a committed directory -----------------------------------------------------------
+RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """libc's renameat2 (glibc 2.28+), or None where there is none to call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where the OS or filesystem cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Put `staging` in the place of the existing `final` so that a crash at any moment leaves
+    one complete `final`: the old one or the new one."""
+    if exchange_dirs(staging, final):
+        _fsync_dir(final.parent)  # the swap is on disk before the old copy goes
+        shutil.rmtree(staging, ignore_errors=True)  # the old checkpoint, under the staging name
+        return
+    replaced = final.with_name(final.name + REPLACED)
+    shutil.rmtree(replaced, ignore_errors=True)  # a leftover whose final is complete
+    os.replace(final, replaced)
+    _fsync_dir(final.parent)
+    os.replace(staging, final)  # a crash before this leaves only .replaced: recover() restores it
+    _fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from shardwise.errors import UserError
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.run.launch import WorkersFailed
     from shardwise.spec import load_spec
     from shardwise.verify.layouts import parse_layout
-    from shardwise.verify.runner import compare, format_table, layout_spec, run_layout
+    from shardwise.verify.runner import compare, format_table, preflight_all, run_layout
 
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: run at least 1 step.")
@@ -59,20 +60,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} already holds files; pass a new --out folder.")
+    runs = _plan(args, layouts, out)
+    checked = preflight_all({r.name: r.spec for r in runs})  # every layout, before any trains
     outcomes = []
     try:
-        for layout in layouts:
-            spec = layout_spec(args.config, args.overrides, layout, out / layout.name, args.steps)
-            outcomes.append(run_layout(layout.name, spec, out / layout.name))
-        if args.restart_at:
-            first = layouts[0]
-            second = parse_layout(args.resume_layout) if args.resume_layout else first
-            name = f"{first.name}@{args.restart_at}->{second.name}"
-            run_dir = out / name.replace(">", "").replace("@", "-stop")
-            run_layout(name, layout_spec(args.config, args.overrides, first, run_dir,
-                                         args.steps, stop_at=args.restart_at), run_dir)
-            outcomes.append(run_layout(name, layout_spec(args.config, args.overrides, second,
-                                                         run_dir, args.steps), run_dir, resume=True))
+        for r in runs:
+            outcome = run_layout(r.name, checked[r.name], r.run_dir, resume=r.resume)
+            if not r.name.endswith(STOP):
+                outcomes.append(outcome)
     except WorkersFailed as err:
         raise UserError(f"a verification run failed: {err}") from None
     reference = outcomes[0]
@@ -86,6 +81,38 @@ def run(args: argparse.Namespace) -> int:
     ok = all(r.passed for r in rows) and reference.ledger_exact
     print("verify: PASS" if ok else "verify: FAIL")
     return 0 if ok else 1
+
+
+STOP = " (stop)"  # ends the name of the first half of the --restart-at run
+
+
+class _Run(NamedTuple):
+    name: str
+    spec: Any  # RunSpec (imported lazily, like everything that pulls in torch)
+    run_dir: Path
+    resume: bool
+
+
+def _plan(args: argparse.Namespace, layouts: list[Any], out: Path) -> list[_Run]:
+    """Every run `verify` makes, in order, with its spec: each layout, then (with --restart-at)
+    the first layout stopped after step K and its resume at --resume-layout, in one run dir."""
+    from shardwise.verify.layouts import parse_layout
+    from shardwise.verify.runner import layout_spec
+
+    runs = [_Run(layout.name, layout_spec(args.config, args.overrides, layout, out / layout.name,
+                                          args.steps), out / layout.name, False)
+            for layout in layouts]
+    if args.restart_at:
+        first = layouts[0]
+        second = parse_layout(args.resume_layout) if args.resume_layout else first
+        name = f"{first.name}@{args.restart_at}->{second.name}"
+        run_dir = out / name.replace(">", "").replace("@", "-stop")
+        runs.append(_Run(f"{first.name}@{args.restart_at}{STOP}",
+                         layout_spec(args.config, args.overrides, first, run_dir, args.steps,
+                                     stop_at=args.restart_at), run_dir, False))
+        runs.append(_Run(name, layout_spec(args.config, args.overrides, second, run_dir,
+                                           args.steps), run_dir, True))
+    return runs
 
 
 def _ledger(path_text: str) -> int:

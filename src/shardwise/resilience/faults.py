@@ -16,6 +16,7 @@ that the restarted run can get past it.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.errors import SpecError
+from shardwise.errors import SpecError, show
 
 if TYPE_CHECKING:  # the spec validates fault lists, and the spec layer imports no torch
     import torch
@@ -56,27 +57,41 @@ def parse_faults(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, *pairs = item.split(":")
         if kind not in KINDS:
-            raise SpecError(f"failure.faults: unknown fault kind {kind!r} in {item!r}; choose one of "
-                            f"{', '.join(KINDS)} (e.g. kill:rank=1:step=3:phase=backward).")
+            raise SpecError(f"failure.faults: unknown fault kind {show(kind, 30)} in {show(item)}; "
+                            f"choose one of {', '.join(KINDS)} (e.g. kill:rank=1:step=3:phase=backward).")
         values: dict[str, object] = {}
         for pair in pairs:
             key, _, value = pair.partition("=")
             if key in ("rank", "step", "attempt", "ms"):
-                try:
-                    values[key] = float(value) if key == "ms" else int(value)
-                except ValueError:
-                    raise SpecError(f"failure.faults: {key}={value!r} in {item!r} is not a "
-                                    "number; write e.g. rank=1, step=3, ms=200.") from None
+                values[key] = _number(key, value, item)
             elif key == "phase":
                 if value not in PHASES:
-                    raise SpecError(f"failure.faults: unknown fault phase {value!r} in {item!r}; "
-                                    f"choose one of {', '.join(PHASES)}.")
+                    raise SpecError(f"failure.faults: unknown fault phase {show(value, 30)} in "
+                                    f"{show(item)}; choose one of {', '.join(PHASES)}.")
                 values[key] = value
             else:
-                raise SpecError(f"failure.faults: unknown fault option {key!r} in {item!r}; use rank, step, "
-                                "phase, ms or attempt.")
+                raise SpecError(f"failure.faults: unknown fault option {show(key, 30)} in "
+                                f"{show(item)}; use rank, step, phase, ms or attempt.")
         faults.append(Fault(kind, **values))  # type: ignore[arg-type]
     return faults
+
+
+_LOWEST = {"rank": 0, "step": 1, "attempt": 0, "ms": 0}  # steps are 1-based
+
+
+def _number(key: str, value: str, item: str) -> int | float:
+    """rank, step and attempt are whole numbers, ms a finite number of milliseconds; none is
+    below `_LOWEST` (a fault that can never fire, or a sleep of nan ms, is a typo to report)."""
+    try:
+        number: int | float = float(value) if key == "ms" else int(value)
+    except ValueError:
+        raise SpecError(f"failure.faults: {key}={show(value, 30)} in {show(item)} is not a "
+                        "number; write e.g. rank=1, step=3, ms=200.") from None
+    if (isinstance(number, float) and not math.isfinite(number)) or number < _LOWEST[key]:
+        raise SpecError(f"failure.faults: {key}={show(value, 30)} in {show(item)} must be a "
+                        f"{'finite number' if key == 'ms' else 'whole number'} of at least "
+                        f"{_LOWEST[key]}.")
+    return number
 
 
 @dataclass

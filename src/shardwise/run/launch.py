@@ -96,11 +96,12 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
     return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
 
 
-def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
+def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec, ParallelDims]:
     """Every check that needs no worker, before any worker starts: the worker count against the
     machine's GPUs (and `nproc = 0` resolved to a number), layout against the world size, batch
-    against the data-parallel degree, layout against the model; the data is prepared once here
-    and its hashes are pinned into the returned spec."""
+    against the data-parallel degree, layout against the model; the data is prepared here
+    (unless `data`, prepared from the same `spec.data`, is given: `shardwise verify` checks many
+    layouts of one job) and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.checks import check_layout
     from shardwise.parallel.devices import resolve_nproc
@@ -108,7 +109,8 @@ def preflight(spec: RunSpec) -> tuple[RunSpec, ParallelDims]:
     spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel))
     dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
-    data = prepare_data(spec.data)
+    if data is None:  # after the cheap checks: preparing a corpus can take a while
+        data = prepare_data(spec.data)
     check_layout(spec, dims, data.vocab_size, layout.accumulation)
     return with_data_hashes(spec, data), dims
 

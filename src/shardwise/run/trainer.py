@@ -115,7 +115,8 @@ class Trainer:
                                      spec.eval.batches, ctx.dp_rank, ctx.device)
         self.state = TrainState()
         self.checkpointer = Checkpointer.for_run(run_dir / "checkpoints", spec.checkpoint, ctx.rank,
-                                                 ctx.distributed, spec.parallel.timeout_s)
+                                                 ctx.distributed, spec.parallel.timeout_s,
+                                                 device=ctx.device)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
         self.log_hook = Hook("log", spec.log.every, _log_hook)

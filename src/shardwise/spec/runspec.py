@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.errors import SpecError
+from shardwise.errors import SpecError, show
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -24,6 +26,8 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_FAMILIES = ("gpt",)
+RUN_NAME_MAX = 100
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class RunSection:
     tf32: bool = True
 
     def validate(self) -> None:
+        _check_run_name(self.name)
         _at_least("run.seed", self.seed, 0)
         _choice("run.determinism", self.determinism, DETERMINISM)
         _positive("run.steps", self.steps)
@@ -79,8 +84,8 @@ class ModelSection:
         if self.d_model % self.n_heads:
             raise SpecError(
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads "
-                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among the "
-                f"divisors of d_model: {_divisors(self.d_model)}."
+                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among "
+                f"{_divisors(self.d_model)} (the divisors of d_model)."
             )
         if (self.d_model // self.n_heads) % 2:
             raise SpecError(
@@ -229,7 +234,7 @@ class ParallelSection:
         _choice("parallel.backend", self.backend, BACKENDS)
         if (self.device, self.backend) in (("cpu", "nccl"), ("cuda", "gloo")):
             raise SpecError(
-                f"parallel.backend = {self.backend!r} with parallel.device = {self.device!r}: "
+                f"parallel.backend = {show(self.backend)} with parallel.device = {show(self.device)}: "
                 + ("NCCL runs collectives on GPUs only. Use backend = \"gloo\" (or \"auto\") "
                    "for CPU training." if self.backend == "nccl" else
                    "gloo cannot run FSDP's and tensor parallel's collectives on CUDA tensors. Use "
@@ -338,24 +343,24 @@ class CheckpointSection:
         _at_least("checkpoint.keep_every", self.keep_every, 0)
         scheme, sep, rest = self.uri.strip().partition("://")
         if sep and scheme not in ("s3", "file"):
-            raise SpecError(f"checkpoint.uri = {self.uri!r}: the scheme {scheme!r} is not "
+            raise SpecError(f"checkpoint.uri = {show(self.uri)}: the scheme {show(scheme)} is not "
                             "supported. Use s3://BUCKET/PREFIX for S3-compatible storage, a local "
                             "directory, or \"\" for RUN_DIR/checkpoints.")
         if scheme == "s3" and sep:
             bucket = rest.split("/", 1)[0]
             if "@" in bucket or ":" in bucket:
-                raise SpecError(f"checkpoint.uri = {self.uri!r} carries credentials or a port; "
+                raise SpecError(f"checkpoint.uri = {show(self.uri)} carries credentials or a port; "
                                 "write s3://BUCKET/PREFIX, put the server in checkpoint.endpoint_url "
                                 "and the keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
             if not bucket:
-                raise SpecError(f"checkpoint.uri = {self.uri!r} names no bucket; write "
+                raise SpecError(f"checkpoint.uri = {show(self.uri)} names no bucket; write "
                                 "s3://BUCKET/PREFIX.")
         if (self.endpoint_url or self.region or self.profile) and not (sep and scheme == "s3"):
             raise SpecError("checkpoint.endpoint_url, region and profile apply to s3:// URIs only; "
-                            f"checkpoint.uri is {self.uri!r}. Set checkpoint.uri = "
+                            f"checkpoint.uri is {show(self.uri)}. Set checkpoint.uri = "
                             "\"s3://BUCKET/PREFIX\" or clear them.")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
-            raise SpecError(f"checkpoint.endpoint_url = {self.endpoint_url!r} must start with "
+            raise SpecError(f"checkpoint.endpoint_url = {show(self.endpoint_url)} must start with "
                             "http:// or https:// (e.g. http://127.0.0.1:9000).")
 
 
@@ -445,8 +450,40 @@ class RunSpec:
                                                                          **changes)})
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _check_run_name(name: str) -> None:
+    """The name becomes the folder `runs/<name>-<time>`: anything but one plain path component
+    (`..`, `/`, a leading `-` that tools read as an option) would write somewhere else."""
+    if not name:
+        problem = "is empty"
+    elif len(name) > RUN_NAME_MAX:
+        problem = f"has {len(name)} characters (at most {RUN_NAME_MAX})"
+    elif name[0] in ".-":
+        problem = f"starts with {name[0]!r}"
+    elif not _RUN_NAME.fullmatch(name):
+        bad = next(c for c in name if not (c.isascii() and (c.isalnum() or c in "._-")))
+        problem = f"contains {bad!r}"
+    else:
+        return
+    raise SpecError(
+        f"run.name = {show(name)} {problem}. The name becomes the run directory "
+        "runs/<name>-<time>, so it must be one plain path component: 1 to "
+        f"{RUN_NAME_MAX} letters, digits, '.', '_' or '-', not starting with '.' or '-'. Pick a "
+        "plain name such as \"shakespeare-gpt\"; to train somewhere else, set run.dir to the run "
+        "directory itself."
+    )
+
+
+def _divisors(n: int) -> str:
+    """The divisors of `n` for a message, as "[1, 2, 4]": found up to sqrt(n) (an int64 field
+    would take hours by trial of every number), abridged when there are many, and not listed at
+    all for a number no sane batch or width reaches."""
+    if n > 10**12:
+        return f"the divisors of {n}"
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = low + [n // d for d in reversed(low) if d * d != n]
+    if len(found) > 16:
+        return "[" + ", ".join(map(str, found[:8])) + ", ..., " + ", ".join(map(str, found[-4:])) + "]"
+    return str(found)
 
 
 def _positive(name: str, value: float) -> None:
@@ -461,4 +498,4 @@ def _at_least(name: str, value: float, low: float) -> None:
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise SpecError(f"{name} is {value!r}; choose one of {', '.join(map(repr, choices))}.")
+        raise SpecError(f"{name} is {show(value)}; choose one of {', '.join(map(repr, choices))}.")

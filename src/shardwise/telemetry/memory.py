@@ -1,7 +1,8 @@
 """Memory per rank: the device's peak over each log window, and the activations of one step.
 
 - GPU: `torch.cuda.max_memory_allocated` / `max_memory_reserved`, reset after every read, so each
-  step event reports the peak of its own window.
+  step event reports the peak of its own window (`peak_during`, which measures a checkpoint's
+  staging, resets them too and hands the window's peak so far back to the next read).
 - CPU: the process's peak resident set (`getrusage` ru_maxrss; the kernel cannot reset it, so it is
   the peak since the process started) and the current RSS from /proc/self/statm.
 - Parameters, gradients and optimizer state come from `parallel.accounting.ModelStateMeter`.
@@ -16,29 +17,68 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+# Peaks (allocated, reserved) of the current window that `peak_during` reset away to measure a
+# part of it, by CUDA device index: `device_memory` folds them back in.
+_CARRIED: dict[int, tuple[int, int]] = {}
+
 
 def device_memory(device: torch.device) -> dict[str, int]:
     """This rank's memory over the window since the last call: `peak_mem_bytes`, plus
     `peak_reserved_bytes` (GPU) or `rss_bytes` (CPU, current)."""
     if device.type == "cuda":
-        out = {"peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)),
-               "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+        carried = _CARRIED.pop(_index(device), (0, 0))
+        out = {"peak_mem_bytes": max(int(torch.cuda.max_memory_allocated(device)), carried[0]),
+               "peak_reserved_bytes": max(int(torch.cuda.max_memory_reserved(device)), carried[1])}
         torch.cuda.reset_peak_memory_stats(device)
         return out
     rss = current_rss_bytes()
     # the kernel updates ru_maxrss lazily (the current RSS can be a few pages above it)
     return {"peak_mem_bytes": max(peak_rss_bytes(), rss), "rss_bytes": rss}
+
+
+@dataclass
+class PeakReading:
+    """Filled in when a `peak_during` block ends; None off CUDA."""
+
+    bytes: int | None = None
+
+
+@contextlib.contextmanager
+def peak_during(device: torch.device | None) -> Iterator[PeakReading]:
+    """The peak of `torch.cuda.max_memory_allocated` on a CUDA `device` during the block (the
+    checkpoint event's `device_peak_bytes`). Measuring needs a reset of the device's peak
+    counters, so the window's peak so far is first recorded and `device_memory` reports the max
+    of it and the counters: the step events' per-window peak is the same as without the reset."""
+    reading = PeakReading()
+    if device is None or device.type != "cuda":
+        yield reading
+        return
+    index = _index(device)
+    held = _CARRIED.get(index, (0, 0))
+    _CARRIED[index] = (max(held[0], int(torch.cuda.max_memory_allocated(device))),
+                       max(held[1], int(torch.cuda.max_memory_reserved(device))))
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield reading
+    finally:
+        reading.bytes = int(torch.cuda.max_memory_allocated(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def peak_rss_bytes() -> int:

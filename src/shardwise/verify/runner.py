@@ -15,11 +15,14 @@ from pathlib import Path
 
 import torch
 
+from shardwise.data import PreparedData, prepare_data
 from shardwise.data.ledger import audit
+from shardwise.errors import UserError
 from shardwise.run import rundir
 from shardwise.run.launch import preflight, run_local
 from shardwise.run.worker import FINAL_STATE
 from shardwise.spec import RunSpec, load_spec
+from shardwise.spec.runspec import DataSection
 from shardwise.verify.layouts import Layout
 
 
@@ -57,8 +60,25 @@ def layout_spec(config: str | None, overrides: list[str], layout: Layout, run_di
     return load_spec(config, [*overrides, *layout.overrides(), *fixed])
 
 
+def preflight_all(specs: dict[str, RunSpec]) -> dict[str, RunSpec]:
+    """`preflight` of every run, keyed by layout name, before any of them trains: a layout the
+    batch or the model cannot take fails in seconds, not after the layouts before it have
+    trained. The data is prepared once per distinct data section (in practice once)."""
+    prepared: dict[DataSection, PreparedData] = {}
+    checked: dict[str, RunSpec] = {}
+    for name, spec in specs.items():
+        if spec.data not in prepared:
+            prepared[spec.data] = prepare_data(spec.data)
+        try:
+            checked[name], _ = preflight(spec, prepared[spec.data])
+        except UserError as err:
+            raise UserError(f"layout {name} cannot run this job: {err} Nothing was trained; fix "
+                            "the spec or leave this layout out.") from None
+    return checked
+
+
 def run_layout(name: str, spec: RunSpec, run_dir: Path, resume: bool = False) -> RunOutcome:
-    spec, _ = preflight(spec)
+    """Train `spec`, already through `preflight`, in `run_dir` and read back what it wrote."""
     if not resume:
         rundir.new_run_dir(spec)
     rundir.write_spec(run_dir, spec)
