@@ -1,7 +1,10 @@
 """The hang watchdog: a thread per rank that notices when the rank stops making progress.
 
 Progress is any phase change (data, forward, backward, optimizer, hooks) or collective issued or
-completed, as written in the flight recorder's header. When none happens for
+completed, as written in the flight recorder's header. On a GPU a collective's completion is seen
+only by polling its device events (the comm tap's `poll`); the watchdog polls too, each round and
+without blocking, so a rank whose training thread waits on the device while its collectives keep
+completing is making progress, not hanging. When none happens for
 `failure.hang_timeout_s`, the watchdog writes this rank's Python stacks, waits a moment for the
 other ranks' watchdogs to do the same, diagnoses every rank's flight record, writes
 `RUN_DIR/diagnostics/attempt-N/hang-report.txt` (one rank prints it) and ends the process with
@@ -28,10 +31,12 @@ HANG_EXIT = 3
 class Watchdog:
     def __init__(self, recorder: FlightRecorder, timeout_s: float, world: int,
                  on_fire: Callable[[Diagnosis, str], None] | None = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit,
+                 poll: Callable[[], object] | None = None) -> None:
         self.recorder, self.timeout_s, self.world = recorder, timeout_s, world
         self.directory: Path = recorder.path.parent
         self.on_fire = on_fire
+        self.poll = poll  # marks device-side completions in the recorder; never blocks
         self._exit = exit
         self._stop = threading.Event()
         self._paused = 0
@@ -62,6 +67,9 @@ class Watchdog:
         while not self._stop.wait(poll):
             if self._paused:
                 continue
+            if self.poll is not None:
+                with contextlib.suppress(Exception):  # telemetry must not stop the watchdog
+                    self.poll()
             idle = time.time() - self.recorder.last_progress()
             if idle > self.timeout_s:
                 self.fire(idle)

@@ -10,6 +10,7 @@ state beyond the one installed comm tap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -32,12 +33,20 @@ from shardwise.telemetry.trace import StepTrace
 Gather = Callable[[list[float]], list[list[float]]]
 
 
+#: how long a log step waits for device timings when none of its window's steps has resolved
+LATE_WAIT_S = 10.0
+
+
 @dataclass(frozen=True)
 class StepSample:
     step_s: float
-    compute_s: float  # step time minus time with a collective in flight
     data_wait_s: float
-    comm: StepComm
+    comm: StepComm  # device-timed collectives may resolve after the step ended
+
+    @property
+    def compute_s(self) -> float:
+        """Step time minus time with a collective in flight."""
+        return max(0.0, self.step_s - self.comm.inflight_s)
 
 
 class Monitors:
@@ -53,8 +62,11 @@ class Monitors:
             if spec.telemetry.comm:
                 self.tap = CommTap(axes_of(ctx.mesh, ctx.dp_mesh), self.recorder).install()
             if spec.failure.hang_timeout_s > 0:
+                # the watchdog also resolves device-timed completions (progress) while the
+                # training thread is blocked on the device
+                poll = functools.partial(self.tap.poll, block=False) if self.tap else None
                 self.watchdog = Watchdog(self.recorder, spec.failure.hang_timeout_s,
-                                         ctx.world_size, on_fire=self._on_hang)
+                                         ctx.world_size, on_fire=self._on_hang, poll=poll)
         t = spec.telemetry
         self.trace = StepTrace(run_dir / "trace" / f"rank-{ctx.rank}.json", ctx.rank,
                                t.trace_from, t.trace_steps)
@@ -79,6 +91,7 @@ class Monitors:
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.tap is not None:
+            self.tap.poll(wait_s=2.0)  # the last device timings (bounded: a failed run's never come)
             self.tap.uninstall()
         if self.recorder is not None:
             self.recorder.close()
@@ -109,8 +122,7 @@ class Monitors:
         """Close the step; returns its wall time."""
         step_s = time.perf_counter() - self._t0
         comm = self.tap.end_step() if self.tap is not None else StepComm()
-        self.window.append(StepSample(step_s, max(0.0, step_s - comm.inflight_s), self._data_t,
-                                      comm))
+        self.window.append(StepSample(step_s, self._data_t, comm))
         self.trace.end_step()
         if self.recorder is not None:
             self.recorder.progress(step, "hook")
@@ -120,7 +132,7 @@ class Monitors:
     # --- per log window -----------------------------------------------------------------------
     def window_fields(self, step: int, gather: Gather) -> dict[str, Any]:
         """Step-event fields for the window since the last call (collective on every rank)."""
-        window, self.window = self.window, []
+        window = self._take_window()
         if not window:
             return {}
         times = [s.step_s for s in window]
@@ -164,6 +176,20 @@ class Monitors:
                              compute_s=round(s.compute_s, 6), median_s=round(s.median_s, 6),
                              message=s.describe())
         return fields
+
+    def _take_window(self) -> list[StepSample]:
+        """The window's steps whose device timings have resolved; the others wait for the next
+        window — unless none has, then this waits for them (bounded), so that no rank skips the
+        window's gather."""
+        window, self.window = self.window, []
+        if self.tap is None or not window or self.tap.poll() == 0:
+            return window
+        ready = [s for s in window if s.comm.resolved]
+        if not ready:
+            self.tap.poll(wait_s=LATE_WAIT_S)
+            return window
+        self.window = [s for s in window if not s.comm.resolved]
+        return ready
 
     def goodput(self) -> float:
         """Productive step time / wall time since this process started."""

@@ -32,6 +32,18 @@ def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
     return counts() if callable(counts) else None
 
 
+def _agreed_peak(local: Peak, rows: list[list[float]]) -> Peak:
+    """One peak for the run from every rank's (peak, probe). Each rank measured (or looked up) its
+    own; the largest is the per-device figure, which can only lower MFU, never flatter it. A rank
+    without one leaves the run without one."""
+    peaks, probes = [row[0] for row in rows], [row[1] for row in rows]
+    probe = max(probes) if min(probes) > 0 else None
+    if min(peaks) > 0:
+        return Peak(max(peaks), local.source, local.detail, probe, local.probe_detail)
+    return Peak(None, local.source if local.flops is None else "unknown", local.detail, probe,
+                local.probe_detail)
+
+
 class RunPerf:
     def __init__(self, trainer: Trainer) -> None:
         spec, ctx, pm = trainer.spec, trainer.ctx, trainer.model
@@ -47,11 +59,7 @@ class RunPerf:
             self.hardware_flops = self.counts.hardware_per_token(self.recomputed)
         local = resolve_peak(ctx.device, spec.run.precision, spec.telemetry.peak_flops,
                              cache_root(spec.data), announce=ctx.is_main)
-        # Every rank measured (or looked up) its own; the largest is the per-device peak, which
-        # can only lower MFU, never flatter it.
-        peaks = [row[0] for row in trainer.gather([local.flops or 0.0])]
-        self.peak = Peak(max(peaks), local.source, local.detail) if min(peaks) > 0 else \
-            Peak(None, local.source if local.flops is None else "unknown", local.detail)
+        self.peak = _agreed_peak(local, trainer.gather([local.flops or 0.0, local.probe or 0.0]))
         self.clock = StageClock(pm.pipeline) if pm.pipeline is not None else None
         self.bubble_theory = None
         if pm.pipeline is not None:
@@ -83,7 +91,7 @@ class RunPerf:
         return {"flops_per_token": self.model_flops,
                 "hardware_flops_per_token": self.hardware_flops,
                 "peak_flops": self.peak.flops, "peak_flops_source": self.peak.source,
-                "flops_formula": FLOPS_FORMULA}
+                "peak_flops_probe": self.peak.probe, "flops_formula": FLOPS_FORMULA}
 
     def on_log(self, trainer: Trainer, result: StepResult, step_time: float) -> dict[str, Any]:
         """Step-event fields for the window that just ended (collective: one all-gather, and one
