@@ -3,7 +3,10 @@
 Same tiny GPT (4 layers, untied embeddings, so tensor and pipeline parallel can place them), same
 data, same global batch. Asserted per layout: per-step loss within 1e-5 relative, gradient norm
 within 1e-4, final parameters (gathered to full tensors) within 1e-5 relative in L2 norm over the
-whole parameter vector, and no element off by more than 1e-4.
+whole parameter vector, and no element off by more than 1e-4; the held-out loss over the whole
+validation split (eval.batches larger than the split, so the last micro-batch is short and the
+data-parallel ranks get unequal shares) within 1e-5 relative.
+The default test command runs one row per kind of layout; `pytest -m grid` runs the rest.
 Also: per-rank model-state bytes of ZeRO-1/2/3 at world 4 against the ZeRO formulas.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_spec
+from conftest import grid, tiny_spec
 from shardwise.parallel.accounting import zero_formula_bytes
 from shardwise.utils.local_ranks import run_ranks
 from test_parity import assert_model_close
@@ -34,6 +37,8 @@ GRID = {
     "tp2": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": False}),
     "tp2+sp": (2, {"tp": 2, "dp_shard": 1}),
     "zero3-2xtp2": (4, {"dp_shard": 2, "tp": 2}),
+    # FSDP + TP without sequence parallel: gradients on three meshes (dp_shard, tp, both)
+    "zero3-2xtp2-nosp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": False}),
     "pp2-gpipe": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}),
     "pp2-1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"}),
     "pp2-interleaved": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved-1f1b",
@@ -41,21 +46,30 @@ GRID = {
     "pp2-zero-bubble": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zero-bubble",
                             "pp_virtual_stages": 2}),
     "pp2xzero3-2": (4, {"pp": 2, "dp_shard": 2}),
+    "pp2-interleavedxzero3-2": (4, {"pp": 2, "dp_shard": 2, "pp_schedule": "interleaved-1f1b",
+                                    "pp_virtual_stages": 2}),
+    "pp2-zero-bubblexzero3-2": (4, {"pp": 2, "dp_shard": 2, "pp_schedule": "zero-bubble",
+                                    "pp_virtual_stages": 2}),
     "tp2xpp2": (4, {"tp": 2, "pp": 2, "dp_shard": 1}),
 }
+
+
+EVAL = {"batches": 1000}  # more than the split holds: all of it, with a short last micro-batch
+DEFAULT_ROWS = ("zero1-2", "zero3-2", "hsdp-2x2", "tp2+sp", "zero3-2xtp2-nosp", "pp2-1f1b",
+                "pp2-zero-bubblexzero3-2", "tp2xpp2")
 
 
 @pytest.fixture(scope="module")
 def reference(small_corpus, tmp_path_factory):
     spec = tiny_spec(small_corpus, tmp_path_factory.mktemp("ref") / "run", model=MODEL,
-                     optimizer=OPTIM)
+                     optimizer=OPTIM, eval=EVAL)
     return train_single(spec)
 
 
-@pytest.mark.parametrize("layout", list(GRID))
+@pytest.mark.parametrize("layout", grid(GRID, default=DEFAULT_ROWS))
 def test_layout_matches_single_process(layout, reference, small_corpus, tmp_path):
     world, parallel = GRID[layout]
-    spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, optimizer=OPTIM,
+    spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, optimizer=OPTIM, eval=EVAL,
                      parallel={**parallel, "nproc": world})
     results = run_ranks(train, world, spec, timeout=120)
     for r in results:  # every rank reports the same global loss
@@ -66,9 +80,12 @@ def test_layout_matches_single_process(layout, reference, small_corpus, tmp_path
                                    torch.tensor(reference["grad_norms"]), rtol=1e-4, atol=0)
     assert_model_close(results[0]["params"], reference["params"], rtol=1e-5)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05
+    (step, want), = reference["val_losses"].items()
+    for r in results:  # the same held-out samples, whatever the layout
+        assert r["val_losses"][step] == pytest.approx(want, rel=1e-5), r["val_losses"]
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", grid([1, 2, 3], default=(3,)))
 def test_zero_model_state_bytes_match_formulas(zero, small_corpus, tmp_path):
     """fp32 AdamW at world N = 4, Ψ parameters, 4 bytes each (see zero_formula_bytes):
     ZeRO-1: params 4Ψ, grads 4Ψ, optimizer (master + 2 moments) 12Ψ/N;
