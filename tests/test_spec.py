@@ -541,3 +541,19 @@ def test_spec_layer_imports_no_torch():
 def test_bad_fault_number_is_a_spec_error():
     with pytest.raises(SpecError, match=r"failure\.faults: rank='one'"):
         load_spec(None, ['failure.faults="kill:rank=one"'])
+
+
+def test_torch_floor_and_version_gated_features():
+    from shardwise.errors import SpecError
+    from shardwise.parallel.support import check_torch_supports, torch_version
+    from shardwise.spec import RunSpec
+
+    assert torch_version("2.11.0+cu130") == (2, 11) and torch_version("2.13.0+cpu") == (2, 13)
+    spec = RunSpec()
+    with pytest.raises(SpecError, match=r"needs torch >= 2\.11"):
+        check_torch_supports(spec, "gloo", version=(2, 6))
+    zb = spec.replace("parallel", pp=2, pp_schedule="zero-bubble", pp_virtual_stages=2)
+    with pytest.raises(SpecError, match=r"zero-bubble.*Pair is not connected"):
+        check_torch_supports(zb, "gloo", version=(2, 11))
+    check_torch_supports(zb, "nccl", version=(2, 11))
+    check_torch_supports(zb, "gloo", version=(2, 13))

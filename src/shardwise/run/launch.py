@@ -104,9 +104,12 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     layouts of one job) and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
     from shardwise.parallel.checks import check_layout
-    from shardwise.parallel.devices import resolve_nproc
+    from shardwise.parallel.devices import resolve_backend, resolve_device_type, resolve_nproc
+    from shardwise.parallel.support import check_torch_supports
 
-    spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel))
+    device_type = resolve_device_type(spec.parallel)
+    check_torch_supports(spec, resolve_backend(spec.parallel, device_type))
+    spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel, device_type))
     dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
     if data is None:  # after the cheap checks: preparing a corpus can take a while

@@ -27,9 +27,11 @@ from shardwise.errors import UserError
 from shardwise.models import build_model
 from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
+from shardwise.parallel.devices import resolve_backend
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import configure_kernels
+from shardwise.parallel.support import check_torch_supports
 from shardwise.resilience.faults import FaultInjector
 from shardwise.run import manifest, rundir
 from shardwise.run.generate import generate
@@ -39,7 +41,7 @@ from shardwise.run.optim import Optimizers, lr_at
 from shardwise.run.resume import ResumeMode
 from shardwise.run.step import StepLog, StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
-from shardwise.telemetry import EventLog
+from shardwise.telemetry import EventLog, syncs
 from shardwise.telemetry.comm_theory import min_wire_bytes
 from shardwise.telemetry.perf import RunPerf
 from shardwise.utils.files import atomic_write_text
@@ -89,6 +91,7 @@ class Trainer:
     def __init__(self, spec: RunSpec, ctx: DistContext, run_dir: Path, data: PreparedData,
                  events: EventLog) -> None:
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
+        check_torch_supports(spec, resolve_backend(spec.parallel, ctx.device.type))
         torch.manual_seed(spec.run.seed)
         configure_kernels(spec.run.determinism, spec.run.tf32, ctx.device)
         if spec.run.determinism == "invariant":
@@ -127,6 +130,7 @@ class Trainer:
                  at_end=spec.checkpoint.enabled),
         ]
         self._step_times: list[float] = []
+        self._syncs: list[int] = []  # host syncs per step (GPU, SHARDWISE_SYNC_DEBUG=1)
         self.steplog = StepLog(self.model)
         self.gather = gather_rows(ctx)
         self._perf: RunPerf | None = None
@@ -215,7 +219,8 @@ class Trainer:
             self.ledger.record(self.state.step + 1, self.train_data.step_indices())
             self.faults.at("data", self.state.step + 1)
             batches, tokens = self.train_data.next_step()
-            with self.meter.measuring(first=self.state.step == self._start_step):
+            with self.meter.measuring(first=self.state.step == self._start_step), \
+                    syncs.counting(self.ctx.device) as synced:
                 result = train_step(
                     self.model, self.optimizers, batches, tokens, step=self.state.step,
                     lr=lr_at(self.state.step, spec.optimizer, spec.run.steps),
@@ -223,6 +228,7 @@ class Trainer:
                     on_phase=self.on_phase)
             self.state.step = result.step
             self.state.tokens_seen += tokens
+            self._syncs.append(synced[0])
             self._step_times.append(self.monitors.end_step(result.step))
             yield result
 
@@ -383,6 +389,8 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
     step_time = window["step_time_s"]
     remaining = trainer.stop_step - result.step
     extra = {}
+    if syncs.enabled(trainer.ctx.device):
+        extra["host_syncs_per_step"] = statistics.median(trainer._syncs[-trainer.spec.log.every:])
     if trainer.scaler is not None:
         extra = {"loss_scale": result.loss_scale, "skipped_steps": trainer.scaler.skipped_steps}
     trainer.events.emit(
