@@ -175,7 +175,7 @@ def markdown(results: list[dict], torch) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in results:
-        def f(key: str, fmt: str = "{:.4g}") -> str:
+        def f(key: str, fmt: str = "{:.4g}", r: dict = r) -> str:
             value = r.get(key)
             return fmt.format(value) if isinstance(value, int | float) else "—"
         rows.append(f"| {r['case']} | {r['exit']} | {r['wall_s']} | {f('final_loss')} | "
