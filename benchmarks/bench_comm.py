@@ -247,7 +247,7 @@ def category(config: str, call: dict[str, Any], spec: RunSpec) -> tuple[str, boo
     phase, kind = call["phase"], call["kind"]
     if phase == "after":
         if call["dtype"] == "float64":
-            return "loss all-reduce (train_step.global_sum)", False
+            return "loss all-reduce (StepLog.resolve, log steps only)", False
         if config.startswith("tp") and kind == "all_reduce" and call["numel"] == spec.model.d_model:
             return "SP norm-weight grads (Partial: re-all-reduced by grad norm and AdamW)", False
         return "grad-norm reduction (global_grad_norm)", False
