@@ -20,8 +20,14 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+DEFAULT = {("single", "fp32"), ("zero3-2", "fp32"), ("tp2", "fp32"), ("pp2", "fp32"),
+           ("zero3-2", "fp16")}
+
+
+@pytest.mark.parametrize(("layout", "precision"), [
+    pytest.param(layout, precision, id=f"{precision}-{layout}",
+                 marks=() if (layout, precision) in DEFAULT else pytest.mark.grid)
+    for precision in ("fp32", "fp16") for layout in LAYOUTS])
 def test_one_host_read_per_step(layout, precision, small_corpus, tmp_path):
     if precision == "fp16" and layout == "tp2":
         pytest.skip("fp16 with tensor parallel is refused by the layout checks")

@@ -115,7 +115,6 @@ def test_tp_and_pp_peers_record_once_per_replica(small_corpus, tmp_path):
     (measured before: every rank wrote, and the audit reported each sample used twice)."""
     model = {"n_layers": 4, "tie_embeddings": False}
     for name, parallel in (("tp2", {"tp": 2, "dp_shard": 1}),
-                           ("pp2", {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}),
                            ("pp2xzero3-2", {"pp": 2, "dp_shard": 2, "pp_schedule": "gpipe"})):
         world = 4 if name == "pp2xzero3-2" else 2
         run_dir = tmp_path / name

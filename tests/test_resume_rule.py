@@ -51,9 +51,12 @@ def _check(run_dir: Path, resumed_from: int) -> None:
     assert report.exact and report.steps == 5, report.problems
 
 
+CASES = [pytest.param(0, 2, 0, id="before-first-checkpoint"),
+         pytest.param(2, 3, 2, id="after-a-checkpoint", marks=pytest.mark.grid)]
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("every", "kill_step", "resumed_from"), [(0, 2, 0), (2, 3, 2)],
-                         ids=["before-first-checkpoint", "after-a-checkpoint"])
+@pytest.mark.parametrize(("every", "kill_step", "resumed_from"), CASES)
 def test_restart_under_the_elastic_launcher(every, kill_step, resumed_from, small_corpus,
                                             tmp_path):
     run_dir = tmp_path / "run"
@@ -67,8 +70,8 @@ def test_restart_under_the_elastic_launcher(every, kill_step, resumed_from, smal
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("every", "kill_step", "resumed_from"), [(0, 2, 0), (2, 3, 2)],
-                         ids=["before-first-checkpoint", "after-a-checkpoint"])
+@pytest.mark.parametrize(("every", "kill_step", "resumed_from"),
+                         [CASES[0], pytest.param(2, 3, 2, id="after-a-checkpoint")])
 def test_restart_under_torchrun_without_a_run_dir(every, kill_step, resumed_from, small_corpus,
                                                   tmp_path):
     """No run.dir: the first attempt picks runs/<name>-<time> and records it in torchrun's store;
