@@ -61,6 +61,7 @@ from shardwise.checkpoint.storage import (
     torch_bytes,
 )
 from shardwise.errors import UserError
+from shardwise.parallel.collectives import gather_full
 from shardwise.telemetry.memory import peak_during
 
 
@@ -101,11 +102,10 @@ def full_model_state(parts: list[nn.Module], pp_group: dist.ProcessGroup | None 
                      ) -> dict[str, torch.Tensor]:
     """Every parameter as a full CPU tensor, on every rank; collective. Pipeline stages are
     merged across `pp_group`. Meant for small models (tests, export)."""
-    options = StateDictOptions(full_state_dict=True)
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
-        merged.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=options)
-                       .items()})
+        merged.update({k: gather_full(v).detach().cpu() for k, v in
+                       get_model_state_dict(part).items()})
     if pp_group is not None:
         gathered: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(gathered, merged, group=pp_group)

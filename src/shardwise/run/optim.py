@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from shardwise.parallel.collectives import gather_full
 from shardwise.parallel.data_parallel import Zero1Optimizer
 from shardwise.parallel.dims import MESH_AXES
 from shardwise.parallel.distributed import DistContext
@@ -98,14 +99,12 @@ class Optimizers:
         """Every optimizer state tensor gathered to its full value on every rank, keyed
         `state.<param>.<name>` (collective; for tests and verification of small models)."""
         full: dict[str, torch.Tensor] = {}
-        options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
         for part, o in zip(self.pm.parts, self.optimizers, strict=True):
             sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
-                get_optimizer_state_dict(part, o, options=options)
+                get_optimizer_state_dict(part, o, options=_FLAT)
             for key, value in sd.items():
                 if key.startswith("state.") and torch.is_tensor(value):
-                    value = value.full_tensor() if isinstance(value, DTensor) else value
-                    full[key] = value.detach().cpu().clone()
+                    full[key] = gather_full(value).detach().cpu().clone()
         return full
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
