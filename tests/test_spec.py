@@ -557,3 +557,15 @@ def test_torch_floor_and_version_gated_features():
         check_torch_supports(zb, "gloo", version=(2, 11))
     check_torch_supports(zb, "nccl", version=(2, 11))
     check_torch_supports(zb, "gloo", version=(2, 13))
+
+
+def test_backend_must_fit_the_resolved_device():
+    from shardwise.errors import SpecError
+    from shardwise.parallel.devices import resolve_backend
+    from shardwise.spec.runspec import ParallelSection
+
+    assert resolve_backend(ParallelSection(), "cpu") == "gloo"
+    with pytest.raises(SpecError, match="NCCL runs collectives on GPUs only"):
+        resolve_backend(ParallelSection(backend="nccl"), "cpu")  # device "auto" found no GPU
+    with pytest.raises(SpecError, match="gloo cannot run"):
+        resolve_backend(ParallelSection(backend="gloo"), "cuda")

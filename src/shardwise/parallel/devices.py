@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed
 
 from shardwise.errors import SpecError
 from shardwise.spec.runspec import ParallelSection
@@ -45,9 +46,25 @@ def resolve_device_type(section: ParallelSection) -> str:
 
 
 def resolve_backend(section: ParallelSection, device_type: str) -> str:
-    if section.backend != "auto":
-        return section.backend
-    return "nccl" if device_type == "cuda" else "gloo"
+    """The process-group backend, checked against the device the run resolved to (the spec
+    refuses the mismatches it can see; with `device = "auto"` they show only here)."""
+    backend = section.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise SpecError(
+            "parallel.backend = \"nccl\", but this run computes on the CPU (no CUDA device is "
+            "visible, or parallel.device = \"cpu\"): NCCL runs collectives on GPUs only. Use "
+            "backend = \"gloo\" or \"auto\".")
+    if backend == "gloo" and device_type == "cuda":
+        raise SpecError(
+            "parallel.backend = \"gloo\" on a CUDA run: gloo cannot run FSDP's and tensor "
+            "parallel's collectives on CUDA tensors. Use backend = \"nccl\" or \"auto\" on GPUs, "
+            "or parallel.device = \"cpu\" to train on the CPU.")
+    if backend == "nccl" and not torch.distributed.is_nccl_available():
+        raise SpecError(f"parallel.backend = \"nccl\", but this torch build ({torch.__version__}) "
+                        "has no NCCL. Install a CUDA build of torch with NCCL.")
+    return backend
 
 
 def resolve_nproc(section: ParallelSection, device_type: str | None = None) -> int:
