@@ -105,7 +105,25 @@ QUICK_OVERRIDES = [
     "model.ffn_hidden=128", "data.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2",
 ]
 
-Timed = tuple[list[float], list[float]]  # (step seconds, global losses)
+Timed = tuple["StepClock", list[float]]  # (step times, global losses)
+
+
+class StepClock:
+    """Wall and CPU seconds (this process, all its threads: compute, dispatch, copies; not time
+    spent blocked on a peer) of each step. CPU time is what a step costs this rank's core, so it
+    moves less than wall time when other work shares the machine."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._t0 = self._c0 = 0.0
+
+    def start(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.wall.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._c0)
 
 
 # --- meshes ---------------------------------------------------------------------------------------
@@ -132,11 +150,11 @@ def ours_run(spec: RunSpec, data: PreparedData, n_steps: int) -> Timed:
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as run_dir:
         trainer = Trainer(spec, ctx, Path(run_dir), data, EventLog("bench", ctx.rank, []))
         steps, log = trainer.steps(), StepLog(trainer.model)
-        times = []
+        times = StepClock()
         for _ in range(n_steps):
-            t0 = time.perf_counter()
+            times.start()
             log.add(next(steps))
-            times.append(time.perf_counter() - t0)
+            times.stop()
         losses = [r.loss for r in log.resolve()]
         steps.close()
         trainer.monitors.close()
@@ -349,9 +367,9 @@ def baseline_run(spec: RunSpec, data: PreparedData, impl: str, mesh: DeviceMesh,
     tokens, seq = data.train, spec.data.seq_len
     megatron = impl == "megatron"
     model.train()
-    times, step_losses = [], []
+    times, step_losses = StepClock(), []
     for step in range(n_steps):
-        t0 = time.perf_counter()
+        times.start()
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
         micro = plan[step]
@@ -381,7 +399,7 @@ def baseline_run(spec: RunSpec, data: PreparedData, impl: str, mesh: DeviceMesh,
                 dtensor_clip(params, opt_spec.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        times.stop()
         step_losses.append(step_loss)
     losses = torch.stack(step_losses).double()
     if dp > 1:  # the global loss, for the check only: after the timed loop
@@ -417,14 +435,18 @@ def _rank_main(rank: int, world: int, config: str, spec: RunSpec, impls: list[st
             gc.collect()
             dist.barrier()
             times, losses = run_side(impl, spec, data, mesh, warmup + steps)
-            t = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            timed = [1000.0 * s for s in t.tolist()[warmup:]]
-            records.append({"impl": impl, "repeat": repeat, "ms": timed, "losses": losses,
-                            "threads": torch.get_num_threads()})
+            wall = torch.tensor(times.wall, dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            cpu = torch.tensor(times.cpu, dtype=torch.float64)
+            dist.all_reduce(cpu)  # CPU: the mean over ranks
+            timed = [1000.0 * s for s in wall.tolist()[warmup:]]
+            cpu_ms = [1000.0 * s / world for s in cpu.tolist()[warmup:]]
+            records.append({"impl": impl, "repeat": repeat, "ms": timed, "cpu_ms": cpu_ms,
+                            "losses": losses, "threads": torch.get_num_threads()})
             if rank == 0:
                 print(f"  {config} repeat {repeat + 1} {impl:<12} median "
-                      f"{statistics.median(timed):8.1f} ms  (loss {losses[-1]:.4f})", flush=True)
+                      f"{statistics.median(timed):8.1f} ms, CPU {statistics.median(cpu_ms):7.1f} "
+                      f"ms/rank  (loss {losses[-1]:.4f})", flush=True)
     profiles = {impl: profile_side(impl, spec, data, mesh, profile, rank)
                 for impl in impls} if profile else {}
     return {"records": records, "profiles": profiles} if rank == 0 else None
@@ -447,6 +469,8 @@ def profile_side(impl: str, spec: RunSpec, data: PreparedData, mesh: DeviceMesh,
 def summarize(records: list[dict[str, Any]], impls: list[str]) -> list[dict[str, Any]]:
     per = {impl: [r for r in records if r["impl"] == impl] for impl in impls}
     medians = {impl: [statistics.median(r["ms"]) for r in per[impl]] for impl in impls}
+    cpu = {impl: statistics.median([statistics.median(r["cpu_ms"]) for r in per[impl]])
+           for impl in impls}
     ref = per[impls[0]]
     mids = {impl: statistics.median(medians[impl]) for impl in impls}
     peers = [mids[i] for i in impls if i in BASELINES]
@@ -457,19 +481,19 @@ def summarize(records: list[dict[str, Any]], impls: list[str]) -> list[dict[str,
                      for a, b in zip(o["losses"], r["losses"], strict=True)), default=0.0)
         rows.append({"impl": impl, "ms": mids[impl], "range": (min(medians[impl]),
                                                               max(medians[impl])),
-                     "ratio": mids[impl] / best, "dloss": dloss,
+                     "ratio": mids[impl] / best, "dloss": dloss, "cpu": cpu[impl],
                      "threads": per[impl][0]["threads"]})
     return rows
 
 
 def table(config: str, world: int, accum: int, rows: list[dict[str, Any]]) -> list[str]:
     head = ("| config | world | threads/proc | accum | side | ms/step (median) | range "
-            "| ÷ best baseline | max abs Δloss vs first |")
+            "| ÷ best baseline | CPU ms/step/rank | max abs Δloss vs first |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         lines.append(f"| {config} | {world} | {r['threads']} | {accum} | {r['impl']} | "
                      f"{r['ms']:.1f} | {r['range'][0]:.1f}–{r['range'][1]:.1f} | "
-                     f"{r['ratio']:.3f} | {r['dloss']:.1e} |")
+                     f"{r['ratio']:.3f} | {r['cpu']:.1f} | {r['dloss']:.1e} |")
     return lines
 
 
