@@ -16,3 +16,10 @@ def all_gather_flat(output: torch.Tensor, local: torch.Tensor,
     """Every rank's `local` concatenated into `output` (numel = world x local.numel())."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, local, group=group)
+
+
+def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor,
+                        group: dist.ProcessGroup | None) -> None:
+    """Rank r's chunk r (along dim 0) of the sum over ranks of `full`, into `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, full, group=group)
