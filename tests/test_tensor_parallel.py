@@ -69,7 +69,7 @@ def test_vocab_parallel_cross_entropy_equals_the_full_one(dtype):
     rank, with ignored targets; bf16 logits are computed on in fp32 (the grad is bf16)."""
     for r in run_ranks(_cross_entropy_rank, 2, dtype, timeout=60):
         assert r["loss"] < 1e-6
-        assert r["grad"] < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert r["grad"] < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def _placements_rank(store: Any, sequence_parallel: bool) -> dict[str, Any]:
@@ -121,27 +121,31 @@ def test_one_collective_per_block_input_and_row_parallel_output(sequence_paralle
     """Per micro-batch, forward: one collective at the input of each attention, feed-forward
     and output block (q/k/v and w1/w3 share it) and one after each row-parallel module
     (embedding, wo, w2); backward the same. Sequence parallel: all-gathers and reduce-scatters;
-    without: all-reduces. Plus two all-reduces of per-token values for the cross entropy, one
-    per sequence-parallel norm weight for its partial gradient, one for the gradient norm."""
+    without: all-reduces. Plus one all-gather of 2 values per token for the cross entropy, one
+    all-reduce per sequence-parallel norm weight for its partial gradient, one for the norm."""
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, run={"steps": 2},
                      parallel={"nproc": 2, "tp": 2, "dp_shard": 1,
                                "sequence_parallel": sequence_parallel})
     run_ranks(train, 2, spec, timeout=120)
     layers, micro = spec.model.n_layers, spec.batch.global_batch // spec.batch.micro_batch
-    block_inputs = rowwise = 2 * layers + 1
-    activation = spec.batch.micro_batch * spec.data.seq_len * spec.model.d_model * 4
+    per_micro = 2 * (2 * layers + 1)  # (block inputs + row-parallel outputs) x (fwd + bwd) / 2
+    tokens = spec.batch.micro_batch * spec.data.seq_len
+    activation = tokens * spec.model.d_model * 4
+    loss_stats = 2 * 2 * tokens * 4  # all-gathered: tp x (log-sum-exp, target logit) per token
     for event in _steps(tmp_path / "run"):
         by_op = event["comm_by_op"]
         if sequence_parallel:
-            for op in ("all_gather:tp", "reduce_scatter:tp"):
-                assert by_op[op]["calls"] == micro * (block_inputs + rowwise), (op, by_op)
-                assert by_op[op]["bytes"] == micro * (block_inputs + rowwise) * activation
-            norms = 2 * layers + 1
-            assert by_op["all_reduce:tp"]["calls"] == 2 * micro + norms + 1, by_op
+            gathers, scatters = by_op["all_gather:tp"], by_op["reduce_scatter:tp"]
+            assert scatters["calls"] == micro * per_micro, by_op
+            assert scatters["bytes"] == micro * per_micro * activation
+            assert gathers["calls"] == micro * (per_micro + 1), by_op
+            assert gathers["bytes"] == micro * (per_micro * activation + loss_stats)
+            assert by_op["all_reduce:tp"]["calls"] == (2 * layers + 1) + 1, by_op
         else:
-            assert "all_gather:tp" not in by_op and "reduce_scatter:tp" not in by_op
-            calls = micro * (block_inputs + rowwise) + 2 * micro + 1
-            assert by_op["all_reduce:tp"]["calls"] == calls, by_op
+            assert "reduce_scatter:tp" not in by_op, by_op
+            assert by_op["all_gather:tp"]["calls"] == micro, by_op
+            assert by_op["all_reduce:tp"]["calls"] == micro * per_micro + 1, by_op
+            assert by_op["all_reduce:tp"]["bytes"] == micro * per_micro * activation + 4
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ DCP at any tp degree, FSDP2 composes on top (2-D DTensors), and `clip`/AdamW see
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
@@ -162,9 +164,36 @@ def _local(param: DTensor, sequence_parallel: bool) -> torch.Tensor:
     weight, a row-parallel bias) acts on this rank's tokens only, so its gradient is a partial
     sum, which `run.step._reduce_partial_grads` (or FSDP2) sums once per step; without it every
     rank computes the same, whole gradient."""
-    grad = [Partial() if sequence_parallel and pl.is_replicate() else pl
-            for pl in param.placements]
-    return param.to_local(grad_placements=grad)
+    spec = param._spec
+    if sequence_parallel and any(pl.is_replicate() for pl in spec.placements):
+        spec = DTensorSpec(spec.mesh, tuple(Partial() if pl.is_replicate() else pl
+                                            for pl in spec.placements),
+                           tensor_meta=spec.tensor_meta)
+    return _LocalShard.apply(param, spec)
+
+
+class _LocalShard(torch.autograd.Function):
+    """`DTensor.to_local()` with the gradient's spec fixed up front: forward, a view of the local
+    shard; backward, the gradient wrapped as a DTensor of `grad_spec` (the parameter's global
+    shape and stride, the gradient's placements). torch's `to_local` recomputes the global
+    shape and stride and goes through `DTensor.from_local` on every backward; at world 2 on CPU
+    that was ~25 ms per step of this model (py-spy, benchmarks/RESULTS.md), the largest cost
+    left after moving compute to plain tensors."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
+        ctx.grad_spec = grad_spec
+        ctx.set_materialize_grads(False)
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None
+        # the spec's stride is that of a contiguous parameter; a fresh copy per gradient, as
+        # torch does, so that sharding propagation on one gradient never touches another's
+        return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
 
 
 @dataclass
@@ -327,39 +356,42 @@ def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Ten
     of shape (..., vocab)), in fp32, as a plain scalar equal on every tp rank — the number
     `F.cross_entropy(full_logits.float(), targets, reduction="sum")` gives, without gathering
     the logits and without DTensor's per-op dispatch (torch's loss_parallel: ~2.5 ms more per
-    micro-batch on CPU, three functional all-reduces)."""
+    micro-batch on CPU and three collectives; this: one all-gather of 2 values per token)."""
     mesh = logits.device_mesh
     local = logits.to_local()
     start = mesh.get_local_rank() * local.shape[-1]
     return _VocabParallelCrossEntropy.apply(local.flatten(0, -2).float(), targets.flatten(),
-                                            start, mesh.get_group())
+                                            start, mesh.get_group(), mesh.size())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = log Σ_v exp(z_v − m) − (z_target − m), m the max over the whole vocabulary; two
-    all-reduces of per-token values (the max; the exp-sum and the target logit together)."""
+    """loss = logsumexp over the whole vocabulary − z_target, with one collective per call:
+    each rank's log-sum-exp over its shard (stable with its own max) and its target logit (0
+    where the target is another rank's) are all-gathered, and every rank combines them —
+    logsumexp over ranks, sum over ranks. Megatron's version all-reduces the max first and
+    then the exp-sums and target logits: two collectives of the same size."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
+                group: dist.ProcessGroup, size: int) -> torch.Tensor:
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - peak.unsqueeze(-1)
+        exp = (logits - peak.unsqueeze(-1)).exp_()
         local = targets - start
         inside = (local >= 0) & (local < logits.shape[-1])
         index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
-        exp = shifted.exp_()
-        stats = torch.stack([exp.sum(dim=-1), picked])
-        dist.all_reduce(stats, group=group)
+        picked = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
+        stats = torch.stack([peak + exp.sum(dim=-1).log(), picked])
+        every = stats.new_empty((size, *stats.shape))
+        all_gather_flat(every.view(-1), stats.view(-1), group)
+        lse = torch.logsumexp(every[:, 0], dim=0)
         valid = targets != IGNORE_INDEX
-        softmax = exp.div_(stats[0].unsqueeze(-1))
+        softmax = exp.mul_((peak - lse).exp_().unsqueeze(-1))  # exp(z - lse)
         ctx.save_for_backward(softmax, index, inside & valid, valid)
-        return ((stats[0].log() - stats[1]) * valid).sum()
+        return ((lse - every[:, 1].sum(dim=0)) * valid).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         softmax, index, hit, valid = ctx.saved_tensors
         g = softmax * (grad * valid).unsqueeze(-1)
         g.scatter_add_(-1, index, -(grad * hit).unsqueeze(-1).to(g.dtype))
-        return g, None, None, None
+        return g, None, None, None, None
