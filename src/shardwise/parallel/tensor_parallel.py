@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,10 +167,16 @@ def _local(param: DTensor, sequence_parallel: bool) -> torch.Tensor:
     rank computes the same, whole gradient."""
     spec = param._spec
     if sequence_parallel and any(pl.is_replicate() for pl in spec.placements):
-        spec = DTensorSpec(spec.mesh, tuple(Partial() if pl.is_replicate() else pl
-                                            for pl in spec.placements),
-                           tensor_meta=spec.tensor_meta)
+        spec = _partial_grad_spec(spec)
     return _LocalShard.apply(param, spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _partial_grad_spec(spec: DTensorSpec) -> DTensorSpec:
+    """`spec` with Replicate turned into Partial (sum): built once per parameter spec."""
+    return DTensorSpec(spec.mesh, tuple(Partial() if pl.is_replicate() else pl
+                                        for pl in spec.placements),
+                       tensor_meta=spec.tensor_meta)
 
 
 class _LocalShard(torch.autograd.Function):
@@ -271,7 +278,9 @@ def _scatter_sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int)
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.contiguous().clone() if not x.is_contiguous() else x.clone()
+    """The sum over ranks, into a new tensor (a gradient handed to backward may be shared with
+    another branch of the graph, so it is never reduced in place)."""
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
 
@@ -316,11 +325,16 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _ReduceFromRegion(torch.autograd.Function):
-    """Megatron's g: all-reduce forward, identity backward."""
+    """Megatron's g: all-reduce forward (in place: its input is a row-parallel matmul's fresh
+    output, which nothing saves for backward), identity backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        if not x.is_contiguous():
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
