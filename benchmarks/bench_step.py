@@ -73,6 +73,7 @@ from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatc
 from shardwise.models import build_model
 from shardwise.parallel.distributed import init_distributed
 from shardwise.run.optim import lr_at
+from shardwise.run.step import StepLog
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
@@ -122,13 +123,13 @@ def ours_run(spec: RunSpec, data: PreparedData, n_steps: int) -> tuple[list[floa
     ctx = init_distributed(spec.parallel)  # reuses the process group when one exists
     with tempfile.TemporaryDirectory(prefix="bench-step-") as run_dir:
         trainer = Trainer(spec, ctx, Path(run_dir), data, EventLog("bench", ctx.rank, []))
-        steps = trainer.steps()
-        times, losses = [], []
+        steps, log = trainer.steps(), StepLog(trainer.model)
+        times = []
         for _ in range(n_steps):
             t0 = time.perf_counter()
-            result = next(steps)
+            log.add(next(steps))  # the loss stays on the device until resolved (one sync/step)
             times.append(time.perf_counter() - t0)
-            losses.append(result.loss)
+        losses = [r.loss for r in log.resolve()]
         steps.close()
         trainer.monitors.close()  # uninstall the comm tap before the run directory goes
         del trainer, steps
