@@ -32,8 +32,9 @@ GRID = {
     "zero3-4": (4, {"dp_shard": 4, "zero": 3}),
     "hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "tp2": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": False}),
-    "tp2+sp": (2, {"tp": 2, "dp_shard": 1}),
+    "tp2+sp": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": True}),
     "zero3-2xtp2": (4, {"dp_shard": 2, "tp": 2}),
+    "zero3-2xtp2+sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True}),
     "pp2-gpipe": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}),
     "pp2-1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"}),
     "pp2-interleaved": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved-1f1b",
@@ -42,6 +43,7 @@ GRID = {
                             "pp_virtual_stages": 2}),
     "pp2xzero3-2": (4, {"pp": 2, "dp_shard": 2}),
     "tp2xpp2": (4, {"tp": 2, "pp": 2, "dp_shard": 1}),
+    "tp2xpp2+sp": (4, {"tp": 2, "pp": 2, "dp_shard": 1, "sequence_parallel": True}),
 }
 
 

@@ -158,7 +158,7 @@ def test_activation_checkpointing_under_sequence_parallel(reference, small_corpu
     """Recomputed blocks run the same hooks and collectives again: same losses as one process."""
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL,
                      memory={"activation_checkpoint": "full"},
-                     parallel={"nproc": 2, "tp": 2, "dp_shard": 1})
+                     parallel={"nproc": 2, "tp": 2, "dp_shard": 1, "sequence_parallel": True})
     result = run_ranks(train, 2, spec, timeout=120)[0]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
                                rtol=1e-5, atol=0)
