@@ -183,13 +183,19 @@ class _LocalShard(torch.autograd.Function):
     """`DTensor.to_local()` with the gradient's spec fixed up front: forward, a view of the local
     shard; backward, the gradient wrapped as a DTensor of `grad_spec` (the parameter's global
     shape and stride, the gradient's placements). torch's `to_local` recomputes the global
-    shape and stride and goes through `DTensor.from_local` on every backward; at world 2 on CPU
-    that was ~25 ms per step of this model (py-spy, benchmarks/RESULTS.md), the largest cost
-    left after moving compute to plain tensors."""
+    shape and stride and goes through `DTensor.from_local` on every backward (~20 ms per step
+    of the bench_tp model at world 2, py-spy).
+
+    Gradient accumulation over micro-batches happens here, on the local shard: when the
+    parameter already holds a gradient of the same spec, the new one is added to its local
+    tensor in place and no gradient is returned, so autograd's AccumulateGrad does not run a
+    DTensor `add_` through DTensor's dispatch (4 per parameter per step here). FSDP2 accumulates
+    its sharded gradients the same way (`sharded_param.grad._local_tensor += ...`). The first
+    micro-batch's gradient still goes through AccumulateGrad, which stores it."""
 
     @staticmethod
     def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
-        ctx.grad_spec = grad_spec
+        ctx.param, ctx.grad_spec = param, grad_spec
         ctx.set_materialize_grads(False)
         local = param._local_tensor
         return local.view_as(local)
@@ -197,6 +203,11 @@ class _LocalShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
+            return None, None
+        held = ctx.param.grad
+        if (isinstance(held, DTensor) and held._spec.placements == ctx.grad_spec.placements
+                and held._local_tensor.shape == grad.shape):
+            held._local_tensor.add_(grad)
             return None, None
         # the spec's stride is that of a contiguous parameter; a fresh copy per gradient, as
         # torch does, so that sharding propagation on one gradient never touches another's
