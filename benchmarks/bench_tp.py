@@ -28,8 +28,11 @@ slices the same full weights), all sides read the same sample indices of the sam
 and use AdamW (foreach) with the same LR schedule and global-norm clipping. Threads per process
 follow shardwise's rule (cores / ranks). A step's time is the slowest rank's. Sides alternate in
 blocks: each repeat runs every side once, in an order rotated per repeat. Reported: the median of
-the per-repeat medians and their min–max range, ratios to the faster baseline, and the largest
-per-step loss difference of each side against the first (it should be ~1e-5 or less).
+the per-repeat medians and their min–max range, ratios to the faster baseline, the CPU time of a
+step (mean over ranks, median over repeats: the work a side does, which moves less than wall time
+when other jobs share the cores), and the largest per-step loss difference of each side against
+the first (it should be ~1e-5 or less). Sequence parallel is set explicitly per side, whatever
+the spec default.
 
     python benchmarks/bench_tp.py                  # the issue's shape: ~15 min on 2 idle cores
     python benchmarks/bench_tp.py --quick          # tiny smoke run, ~1 min
@@ -109,21 +112,25 @@ Timed = tuple["StepClock", list[float]]  # (step times, global losses)
 
 
 class StepClock:
-    """Wall and CPU seconds (this process, all its threads: compute, dispatch, copies; not time
-    spent blocked on a peer) of each step. CPU time is what a step costs this rank's core, so it
-    moves less than wall time when other work shares the machine."""
+    """Wall and CPU seconds of each step. CPU is the training thread's own (`time.thread_time`:
+    compute, dispatch, copies, issuing collectives; not time blocked on a peer, nor gloo's
+    transport threads): the work a step costs, which moves less than wall time when other work
+    shares the machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, profiler: Any = None) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self._t0 = self._c0 = 0.0
+        self.profiler = profiler  # started at the second step (the first one warms up)
 
     def start(self) -> None:
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
+        if self.profiler is not None and len(self.wall) == 1:
+            self.profiler.start()
+        self._t0, self._c0 = time.perf_counter(), time.thread_time()
 
     def stop(self) -> None:
         self.wall.append(time.perf_counter() - self._t0)
-        self.cpu.append(time.process_time() - self._c0)
+        self.cpu.append(time.thread_time() - self._c0)
 
 
 # --- meshes ---------------------------------------------------------------------------------------
@@ -144,13 +151,12 @@ def shard_data_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 # --- side (a): shardwise --------------------------------------------------------------------------
-def ours_run(spec: RunSpec, data: PreparedData, n_steps: int) -> Timed:
+def ours_run(spec: RunSpec, data: PreparedData, n_steps: int, times: StepClock) -> Timed:
     """shardwise's Trainer driven through `steps()`; losses read after the timed loop."""
     ctx = init_distributed(spec.parallel)
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as run_dir:
         trainer = Trainer(spec, ctx, Path(run_dir), data, EventLog("bench", ctx.rank, []))
         steps, log = trainer.steps(), StepLog(trainer.model)
-        times = StepClock()
         for _ in range(n_steps):
             times.start()
             log.add(next(steps))
@@ -345,7 +351,7 @@ def megatron_clip(model: nn.Module, max_norm: float, tp_mesh: DeviceMesh) -> Non
 
 # --- the plain loop of sides (b) and (c) ------------------------------------------------------------
 def baseline_run(spec: RunSpec, data: PreparedData, impl: str, mesh: DeviceMesh,
-                 n_steps: int) -> Timed:
+                 n_steps: int, times: StepClock) -> Timed:
     torch.manual_seed(spec.run.seed)
     opt_spec = spec.optimizer
     model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
@@ -367,7 +373,7 @@ def baseline_run(spec: RunSpec, data: PreparedData, impl: str, mesh: DeviceMesh,
     tokens, seq = data.train, spec.data.seq_len
     megatron = impl == "megatron"
     model.train()
-    times, step_losses = StepClock(), []
+    step_losses = []
     for step in range(n_steps):
         times.start()
         for group in optimizer.param_groups:
@@ -413,10 +419,12 @@ def side_spec(spec: RunSpec, impl: str) -> RunSpec:
     return spec.replace("parallel", sequence_parallel=impl == "ours-sp").validate()
 
 
-def run_side(impl: str, spec: RunSpec, data: PreparedData, mesh: DeviceMesh, n: int) -> Timed:
+def run_side(impl: str, spec: RunSpec, data: PreparedData, mesh: DeviceMesh, n: int,
+             times: StepClock | None = None) -> Timed:
+    times = times if times is not None else StepClock()
     if impl.startswith("ours"):
-        return ours_run(side_spec(spec, impl), data, n)
-    return baseline_run(spec, data, impl, mesh, n)
+        return ours_run(side_spec(spec, impl), data, n, times)
+    return baseline_run(spec, data, impl, mesh, n, times)
 
 
 def block_order(impls: Sequence[str], repeat: int) -> list[str]:
@@ -455,13 +463,15 @@ def _rank_main(rank: int, world: int, config: str, spec: RunSpec, impls: list[st
 def profile_side(impl: str, spec: RunSpec, data: PreparedData, mesh: DeviceMesh, steps: int,
                  rank: int) -> str:
     """torch.profiler over `steps` steps after one warmup step (all ranks profile; rank 0's op
-    table is kept): where the CPU time of a step goes, op by op."""
+    table is kept): where the CPU time of a step goes, op by op. Self times of collectives
+    include time blocked on the peer."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_side(impl, spec, data, mesh, 1 + steps)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+    prof = profile(activities=[ProfilerActivity.CPU])
+    run_side(impl, spec, data, mesh, 1 + steps, StepClock(prof))
+    prof.stop()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                      max_name_column_width=60) if rank == 0 else ""
 
 
