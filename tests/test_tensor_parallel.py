@@ -164,16 +164,19 @@ def test_activation_checkpointing_under_sequence_parallel(reference, small_corpu
                                rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_bf16_tensor_parallel_tracks_bf16_single(sequence_parallel, small_corpus, tmp_path):
+@pytest.mark.parametrize(("world", "dp_shard", "sequence_parallel"),
+                         [(2, 1, True), (2, 1, False), (4, 2, False)])
+def test_bf16_tensor_parallel_tracks_bf16_single(world, dp_shard, sequence_parallel, small_corpus,
+                                                 tmp_path):
     """Autocast to bf16 on local shards: the same policy as the single process (one extra bf16
-    rounding of each rank's row-parallel partial output before the sum)."""
+    rounding of each rank's row-parallel partial output before the sum). Under FSDP (world 4)
+    the gathered Linear weights and so their gradients are bf16, reduced in fp32."""
     single = train_single(tiny_spec(small_corpus, tmp_path / "single", model=MODEL,
                                     run={"precision": "bf16"}))
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, run={"precision": "bf16"},
-                     parallel={"nproc": 2, "tp": 2, "dp_shard": 1,
+                     parallel={"nproc": world, "tp": 2, "dp_shard": dp_shard,
                                "sequence_parallel": sequence_parallel})
-    result = run_ranks(train, 2, spec, timeout=120)[0]
+    result = run_ranks(train, world, spec, timeout=120)[0]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single["losses"]),
                                rtol=2e-2, atol=0)
 

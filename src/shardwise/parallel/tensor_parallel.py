@@ -186,12 +186,14 @@ class _LocalShard(torch.autograd.Function):
     shape and stride and goes through `DTensor.from_local` on every backward (~20 ms per step
     of the bench_tp model at world 2, py-spy).
 
-    Gradient accumulation over micro-batches happens here, on the local shard: when the
-    parameter already holds a gradient of the same spec, the new one is added to its local
-    tensor in place and no gradient is returned, so autograd's AccumulateGrad does not run a
-    DTensor `add_` through DTensor's dispatch (4 per parameter per step here). FSDP2 accumulates
-    its sharded gradients the same way (`sharded_param.grad._local_tensor += ...`). The first
-    micro-batch's gradient still goes through AccumulateGrad, which stores it."""
+    The gradient is also accumulated here, on the local shard, and not returned to autograd:
+    the first micro-batch's becomes `param.grad`, later ones are added to its local tensor in
+    place. AccumulateGrad would instead run a DTensor `detach` / `add_` through DTensor's
+    dispatch for every parameter and micro-batch (~40 µs each, ~5 ms per step here). FSDP2
+    writes and accumulates its gradients the same way (`sharded_param.grad._local_tensor +=`);
+    it reads the unsharded parameter's `.grad` after this node has run, as it would after
+    AccumulateGrad. (Post-accumulate-grad hooks on these parameters therefore do not fire;
+    nothing in shardwise registers one.)"""
 
     @staticmethod
     def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
@@ -204,14 +206,17 @@ class _LocalShard(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         if grad is None:
             return None, None
-        held = ctx.param.grad
-        if (isinstance(held, DTensor) and held._spec.placements == ctx.grad_spec.placements
-                and held._local_tensor.shape == grad.shape):
+        param, held = ctx.param, ctx.param.grad
+        if held is None:  # the first micro-batch: the gradient becomes the parameter's
+            # the spec's stride is that of a contiguous parameter; a fresh copy per gradient, as
+            # torch does, so that sharding propagation on one gradient never touches another's
+            param.grad = DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False)
+        elif (isinstance(held, DTensor) and held._spec.placements == ctx.grad_spec.placements
+              and held._local_tensor.shape == grad.shape):
             held._local_tensor.add_(grad)
-            return None, None
-        # the spec's stride is that of a contiguous parameter; a fresh copy per gradient, as
-        # torch does, so that sharding propagation on one gradient never touches another's
-        return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
+        else:  # a gradient of another layout (set by other code): autograd accumulates it
+            return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
+        return None, None
 
 
 @dataclass
