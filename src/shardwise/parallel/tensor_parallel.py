@@ -12,18 +12,20 @@ compute with its local shard:
   the norm weights ("sequence" modules) are replicated DTensors whose gradients are partial sums;
   without it a rowwise output is an all-reduce and a colwise input is all-reduced in backward;
 - with loss parallel the output projection returns its vocabulary-sharded logits as a DTensor
-  (`Shard(-1)`), and the cross entropy runs on the shards under torch's `loss_parallel`.
+  (`Shard(-1)`); `vocab_parallel_loss_sum` computes the cross entropy on the shards (and torch's
+  `loss_parallel` context stays valid for code that calls F.cross_entropy on them).
 
-Why not DTensor's own styles for the compute: every op on a DTensor goes through DTensor's Python
-dispatch (sharding propagation, redistribution, re-wrapping), about 0.1–0.3 ms per op on CPU;
-the norms, residual adds and linears of a step add up to hundreds of ms on a small model
-(benchmarks/RESULTS.md, "bench_tp"). Here the only DTensor work is at the boundary: each
-parallel module swaps its DTensor parameters for their local shards (`to_local`, differentiable:
-gradients come back as DTensors with the parameter's placements, or `Partial` for the norm
-weights under sequence parallel) for the duration of its forward, and the collectives between
-modules are hand-written autograd functions on plain tensors. The parameters themselves stay
-DTensors with the same placements as DTensor's styles give them — so checkpoints reshard through
-DCP at any tp degree, FSDP2 composes on top (2-D DTensors), and `clip`/AdamW see DTensor grads.
+Why not DTensor's own styles for the compute: every op on a DTensor goes through DTensor's
+dispatch (sharding propagation, redistribution, re-wrapping). At the bench_tp shape a step had
+2,535 of them (1,628 without sequence parallel), ~130 ms of CPU per step on this machine, 1.2–1.6x
+a plain-tensor Megatron loop (benchmarks/RESULTS.md, "bench_tp"). Here the only DTensor work is
+at the boundary: each parallel module swaps its DTensor parameters for differentiable views of
+their local shards for the duration of its forward (`_LocalShard`: gradients come back as
+DTensors with the parameter's placements, or `Partial` for replicated parameters under sequence
+parallel, accumulated on the local shard), and the collectives between modules are hand-written
+autograd functions on plain tensors. The parameters themselves stay DTensors with the placements
+DTensor's styles give them — so checkpoints reshard through DCP at any tp degree, FSDP2 composes
+on top (2-D DTensors), and the grad norm and AdamW see DTensor gradients.
 """
 
 from __future__ import annotations
