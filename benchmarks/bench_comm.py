@@ -3,10 +3,9 @@
 Layouts (`--configs`, default all four; world 2 on gloo, one pair of spawned ranks):
   ddp      `parallel.dp_replicate=2, dp_shard=1` (DDP)
   zero3    `parallel.dp_shard=2, zero=3` (FSDP2)
-  tp       `parallel.tp=2, dp_shard=1` with sequence parallel and loss parallel (the defaults),
-           `model.tie_embeddings=false`
-  tp-nosp  the same without sequence parallel (`parallel.sequence_parallel=false`): the textbook
-           Megatron all-reduces
+  tp       `parallel.tp=2, dp_shard=1` with sequence parallel (`parallel.sequence_parallel=true`)
+           and loss parallel, `model.tie_embeddings=false`
+  tp-nosp  the same without sequence parallel (the default): the textbook Megatron all-reduces
 
 How it counts: a TorchDispatchMode (`CommCounter`, in this file only) is active around one call of
 `Trainer.steps()` — batch loading, forward/backward of every micro-batch, gradient norm, clipping,
@@ -249,7 +248,7 @@ def category(config: str, call: dict[str, Any], spec: RunSpec) -> tuple[str, boo
         if call["dtype"] == "float64":
             return "loss all-reduce (StepLog.resolve, log steps only)", False
         if config.startswith("tp") and kind == "all_reduce" and call["numel"] == spec.model.d_model:
-            return "SP norm-weight grads (Partial: re-all-reduced by grad norm and AdamW)", False
+            return "SP norm-weight grads (Partial, reduced once per step)", False
         return "grad-norm reduction (global_grad_norm)", False
     if kind == "broadcast":
         return "DDP buffer broadcast (rope tables; broadcast_buffers=True)", False
@@ -265,8 +264,9 @@ def category(config: str, call: dict[str, Any], spec: RunSpec) -> tuple[str, boo
         bsh = spec.batch.micro_batch * spec.data.seq_len * spec.model.d_model
         if call["numel"] == bsh and kind in ("all_reduce", "all_gather", "reduce_scatter"):
             return f"activations {kind} ({phase})", True
-        if kind == "all_reduce" and call["numel"] % (spec.batch.micro_batch * spec.data.seq_len) == 0:
-            return f"loss-parallel statistics all-reduce ({phase})", False
+        if kind in ("all_reduce", "all_gather") and \
+                call["numel"] % (spec.batch.micro_batch * spec.data.seq_len) == 0:
+            return f"loss-parallel statistics {kind} ({phase})", False
     return f"other {kind} ({phase})", False
 
 

@@ -36,10 +36,10 @@ GRID = {
     "zero3-4": (4, {"dp_shard": 4, "zero": 3}),
     "hsdp-2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "tp2": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": False}),
-    "tp2+sp": (2, {"tp": 2, "dp_shard": 1}),
+    "tp2+sp": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": True}),
+    # FSDP + TP without sequence parallel (the default): gradients on three meshes
     "zero3-2xtp2": (4, {"dp_shard": 2, "tp": 2}),
-    # FSDP + TP without sequence parallel: gradients on three meshes (dp_shard, tp, both)
-    "zero3-2xtp2-nosp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": False}),
+    "zero3-2xtp2+sp": (4, {"dp_shard": 2, "tp": 2, "sequence_parallel": True}),
     "pp2-gpipe": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}),
     "pp2-1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"}),
     "pp2-interleaved": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved-1f1b",
@@ -52,11 +52,12 @@ GRID = {
     "pp2-zero-bubblexzero3-2": (4, {"pp": 2, "dp_shard": 2, "pp_schedule": "zero-bubble",
                                     "pp_virtual_stages": 2}),
     "tp2xpp2": (4, {"tp": 2, "pp": 2, "dp_shard": 1}),
+    "tp2xpp2+sp": (4, {"tp": 2, "pp": 2, "dp_shard": 1, "sequence_parallel": True}),
 }
 
 
 EVAL = {"batches": 1000}  # more than the split holds: all of it, with a short last micro-batch
-DEFAULT_ROWS = ("zero1-2", "zero3-2", "hsdp-2x2", "tp2+sp", "zero3-2xtp2-nosp", "pp2-1f1b",
+DEFAULT_ROWS = ("zero1-2", "zero3-2", "hsdp-2x2", "tp2+sp", "zero3-2xtp2", "pp2-1f1b",
                 "pp2-zero-bubblexzero3-2", "tp2xpp2")
 
 

@@ -72,6 +72,7 @@ def test_resume_matches_uninterrupted(first, second, uninterrupted, small_corpus
 HYBRID = {
     "pp2": (2, {"pp": 2, "dp_shard": 1}),
     "tp2": (2, {"tp": 2, "dp_shard": 1}),
+    "tp2+sp": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": True}),
     "zero1-2": (2, {"dp_shard": 2, "zero": 1}),
     "zero3-2": (2, {"dp_shard": 2, "zero": 3}),
     "zero3-4": (4, {"dp_shard": 4, "zero": 3}),
@@ -81,8 +82,9 @@ HYBRID = {
 
 
 @pytest.mark.parametrize(("first", "second"), [("pp2", "single"), ("tp2", "single"),
-                                               ("zero1-2", "zero3-2"), ("single", "pp2"),
-                                               ("ddp2", "zero3-4")])
+                                               ("single", "tp2"), ("tp2+sp", "tp2"),
+                                               ("zero1-2", "zero3-2"),
+                                               ("single", "pp2"), ("ddp2", "zero3-4")])
 def test_resume_at_another_hybrid_layout(first, second, small_corpus, tmp_path):
     """A checkpoint written by one layout continues under another: the losses of the resumed
     steps match the uninterrupted single-process run within layout parity (1e-5)."""

@@ -492,7 +492,8 @@ def test_cli_subprocess_run_name_that_is_a_path_exits_2(tmp_path):
 @pytest.mark.parametrize(("nproc", "sets", "needles"), [
     ("3", ["parallel.tp=3", "model.tie_embeddings=false"],
      ["tp = 3 does not divide model.n_heads = 4", "nearest tp that does is 4"]),
-    ("2", ["parallel.tp=2", "model.tie_embeddings=false", "data.seq_len=31"],
+    ("2", ["parallel.tp=2", "parallel.sequence_parallel=true", "model.tie_embeddings=false",
+           "data.seq_len=31"],
      ["data.seq_len = 31 is not a multiple of 2", "sequence_parallel = false"]),
     ("2", ["parallel.tp=2"], ["model.tie_embeddings = false"]),
     ("4", ["parallel.pp=4", "model.tie_embeddings=false", "batch.global_batch=16"],

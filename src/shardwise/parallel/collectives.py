@@ -45,3 +45,10 @@ def _quiet_redistribution() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor,
+                        group: dist.ProcessGroup | None) -> None:
+    """Rank r's chunk r (along dim 0) of the sum over ranks of `full`, into `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, full, group=group)

@@ -33,7 +33,11 @@ from shardwise.parallel.invariant import PairwiseAccumulator, install_on_fsdp, t
 from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile, blocks_of
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
 from shardwise.parallel.precision import autocast
-from shardwise.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from shardwise.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_context,
+    vocab_parallel_loss_sum,
+)
 from shardwise.spec.runspec import RunSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -162,6 +166,8 @@ class ParallelModel:
 
     @staticmethod
     def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):  # vocabulary-sharded (loss parallel)
+            return vocab_parallel_loss_sum(logits, targets)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     def _autocast(self) -> contextlib.AbstractContextManager:

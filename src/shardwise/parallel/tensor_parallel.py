@@ -1,70 +1,429 @@
-"""Tensor parallel (Megatron column/row split) and sequence parallel, with DTensor.
+"""Tensor parallel (Megatron column/row split) and sequence parallel: DTensor parameters,
+plain-tensor compute.
 
 The model declares which modules are column-, row- or sequence-parallel (`GPT.sharding_plan`);
-this module turns that declaration into DTensor styles on the `tp` mesh axis:
-- colwise: weight split by output features; rowwise: by input features, output reduced;
-- with sequence parallel, activations between blocks (norms, residual adds) are split along the
-  sequence dimension, so a rowwise output is a reduce-scatter and a colwise input an all-gather;
-- with loss parallel, the output projection keeps logits split along the vocabulary and the cross
-  entropy is computed on the shards (no all-gather of the logits).
+this module shards their parameters as DTensors on the `tp` mesh axis and makes each such module
+compute with its local shard:
+- colwise (a Linear): weight split by output features; its input is the full activation;
+- rowwise (a Linear): weight split by input features; its partial outputs are summed over tp;
+  rowwise on an Embedding is the vocabulary-parallel lookup (rows split by token id);
+- with sequence parallel, the activations between blocks (norms, residual adds) are split along
+  the sequence (dim 1): a rowwise output is a reduce-scatter, a colwise input an all-gather, and
+  the norm weights ("sequence" modules) are replicated DTensors whose gradients are partial sums;
+  without it a rowwise output is an all-reduce and a colwise input is all-reduced in backward;
+- with loss parallel the output projection returns its vocabulary-sharded logits as a DTensor
+  (`Shard(-1)`); `vocab_parallel_loss_sum` computes the cross entropy on the shards (and torch's
+  `loss_parallel` context stays valid for code that calls F.cross_entropy on them).
+
+Why not DTensor's own styles for the compute: every op on a DTensor goes through DTensor's
+dispatch (sharding propagation, redistribution, re-wrapping). At the bench_tp shape a step had
+2,535 of them (1,628 without sequence parallel), ~130 ms of CPU per step on this machine, 1.2–1.6x
+a plain-tensor Megatron loop (benchmarks/RESULTS.md, "bench_tp"). Here the only DTensor work is
+at the boundary: each parallel module swaps its DTensor parameters for differentiable views of
+their local shards for the duration of its forward (`_LocalShard`: gradients come back as
+DTensors with the parameter's placements, or `Partial` for replicated parameters under sequence
+parallel, accumulated on the local shard), and the collectives between modules are hand-written
+autograd functions on plain tensors. The parameters themselves stay DTensors with the placements
+DTensor's styles give them — so checkpoints reshard through DCP at any tp degree, FSDP2 composes
+on top (2-D DTensors), and the grad norm and AdamW see DTensor gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.parallel import loss_parallel
+
+from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
+
+SEQ_DIM = 1  # activations are (batch, sequence, features)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                           loss_parallel: bool) -> None:
     """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`."""
     declared = model.sharding_plan()
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {}
+    region = TPRegion(tp_mesh, sequence_parallel)
+    kinds = {}
     for name, _module in model.named_modules():
         kind = next((k for pattern, k in declared.items() if fnmatch.fnmatchcase(name, pattern)),
                     None)
-        style = _style(name, kind, seq, sequence_parallel, loss_parallel) if kind else None
-        if style is not None:
-            plan[name] = style
-        # Blocks take sequence-sharded activations and all-gather them once at the block input
-        # (the attention and feed-forward inputs), then split the heads / hidden units.
-        if name.endswith(".attention"):
-            plan[name] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None))
-        elif name.endswith(".feed_forward"):
-            plan[name] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-    parallelize_module(model, tp_mesh, plan)
+        if kind is not None:
+            kinds[name] = kind
+    modules = dict(model.named_modules())
+    for parent in block_inputs(kinds):
+        _on_input(modules[parent], region.full_input)
+    for name, kind in kinds.items():
+        _parallelize(name, modules[name], kind, region, loss_parallel)
 
 
-def _style(name: str, kind: str, seq, sequence_parallel: bool, loss_par: bool):
-    if name == "tok_embeddings":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if name == "output":
-        return ColwiseParallel(input_layouts=seq,
-                               output_layouts=Shard(-1) if loss_par else Replicate(),
-                               use_local_output=not loss_par)
+def block_inputs(kinds: dict[str, str]) -> list[str]:
+    """Modules whose first input becomes the full activation (all-gathered along the sequence, or
+    all-reduced in backward): the parents of column-parallel modules — one collective for q, k
+    and v (w1 and w3) together, where the attention (feed-forward) takes its input, as Megatron's
+    fused QKV does. A top-level colwise module (the output projection) gathers its own input."""
+    parents = {name.rpartition(".")[0] for name, kind in kinds.items() if kind == "colwise"}
+    return sorted(parents - {""})
+
+
+def _on_input(module: nn.Module, transform: Transform) -> None:
+    module.register_forward_pre_hook(lambda _m, args: (transform(args[0]), *args[1:]))
+
+
+def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion,
+                 loss_par: bool) -> None:
     if kind == "sequence":
-        return SequenceParallel() if sequence_parallel else None
-    if kind == "colwise":
-        return ColwiseParallel()
-    if kind == "rowwise":
-        return RowwiseParallel(output_layouts=seq)
-    raise ValueError(f"unknown sharding kind {kind!r} for {name}")
+        if region.sequence_parallel:  # replicated weights, partial-sum gradients
+            _shard_params(module, region.mesh, {"weight": Replicate(), "bias": Replicate()})
+            _compute_locally(module, region)
+    elif kind == "colwise":
+        _expect(module, nn.Linear, name, kind)
+        _shard_params(module, region.mesh, {"weight": Shard(0), "bias": Shard(0)})
+        top = "." not in name  # the output projection: gathers its input, returns logits
+        _compute_locally(module, region, before=region.full_input if top else None,
+                         after=region.vocab_output(loss_par) if top else None)
+    elif kind == "rowwise" and isinstance(module, nn.Embedding):
+        if module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(f"{name}: a vocabulary-parallel embedding supports neither "
+                             "padding_idx nor max_norm")
+        _shard_params(module, region.mesh, {"weight": Shard(0)})
+        lookup = VocabLookup(region, rows=module.weight.to_local().shape[0])
+        _compute_locally(module, region, before=lookup.local_ids, after=lookup.combine)
+    elif kind == "rowwise":
+        _expect(module, nn.Linear, name, kind)
+        _shard_params(module, region.mesh, {"weight": Shard(1), "bias": Replicate()})
+        _compute_locally(module, region, after=region.reduce_output, late_bias=True)
+    else:
+        raise ValueError(f"unknown sharding kind {kind!r} for {name}")
 
 
+def _expect(module: nn.Module, cls: type, name: str, kind: str) -> None:
+    if not isinstance(module, cls):
+        raise ValueError(f"{name}: {kind} parallel is implemented for {cls.__name__}, "
+                         f"not {type(module).__name__}")
+
+
+def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+    """Replace the module's own parameters by DTensors (rank 0's values, as DTensor styles do)."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        dt = distribute_tensor(param.data, mesh, [placements[pname]])
+        module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+# --- computing with local shards ----------------------------------------------------------------------
+Transform = Callable[[Any], Any]
+
+
+def _compute_locally(module: nn.Module, region: TPRegion, *, before: Transform | None = None,
+                     after: Transform | None = None, late_bias: bool = False) -> None:
+    """Run `module`'s own forward on plain tensors: before it, the first input goes through
+    `before` and each DTensor parameter is swapped for its differentiable local shard; after it,
+    the parameters are put back (also when the forward raises) and the output goes through
+    `after`. `late_bias`: the bias is left out of the forward and added after `after` (a
+    row-parallel bias must be added once, to the reduced sum)."""
+    saved: list[dict[str, nn.Parameter | None]] = []  # a stack: safe under re-entrant calls
+
+    def pre(mod: nn.Module, args: tuple) -> tuple | None:
+        params = dict(mod._parameters)
+        saved.append(params)
+        for pname, p in params.items():
+            if isinstance(p, DTensor):
+                late = late_bias and pname == "bias"
+                mod._parameters[pname] = None if late else _local(p, region.sequence_parallel)
+        if before is not None and args:
+            return (before(args[0]), *args[1:])
+        return None
+
+    def post(mod: nn.Module, _args: tuple, output: Any) -> Any:
+        params = saved.pop()
+        mod._parameters.update(params)
+        if output is None:  # the forward raised: only the parameters are restored
+            return None
+        if after is not None:
+            output = after(output)
+        bias = params.get("bias")
+        if late_bias and bias is not None:
+            output = output + _local(bias, region.sequence_parallel)
+        return output
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _local(param: DTensor, sequence_parallel: bool) -> torch.Tensor:
+    """The local shard, differentiable. Under sequence parallel a replicated parameter (a norm
+    weight, a row-parallel bias) acts on this rank's tokens only, so its gradient is a partial
+    sum, which `run.step._reduce_partial_grads` (or FSDP2) sums once per step; without it every
+    rank computes the same, whole gradient."""
+    spec = param._spec
+    if sequence_parallel and any(pl.is_replicate() for pl in spec.placements):
+        spec = _partial_grad_spec(spec)
+    return _LocalShard.apply(param, spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _partial_grad_spec(spec: DTensorSpec) -> DTensorSpec:
+    """`spec` with Replicate turned into Partial (sum): built once per parameter spec."""
+    return DTensorSpec(spec.mesh, tuple(Partial() if pl.is_replicate() else pl
+                                        for pl in spec.placements),
+                       tensor_meta=spec.tensor_meta)
+
+
+class _LocalShard(torch.autograd.Function):
+    """`DTensor.to_local()` with the gradient's spec fixed up front: forward, a view of the local
+    shard; backward, the gradient wrapped as a DTensor of `grad_spec` (the parameter's global
+    shape and stride, the gradient's placements). torch's `to_local` recomputes the global
+    shape and stride and goes through `DTensor.from_local` on every backward (~20 ms per step
+    of the bench_tp model at world 2, py-spy).
+
+    The gradient is also accumulated here, on the local shard, and not returned to autograd:
+    the first micro-batch's becomes `param.grad`, later ones are added to its local tensor in
+    place. AccumulateGrad would instead run a DTensor `detach` / `add_` through DTensor's
+    dispatch for every parameter and micro-batch (~40 µs each, ~5 ms per step here). FSDP2
+    writes and accumulates its gradients the same way (`sharded_param.grad._local_tensor +=`);
+    it reads the unsharded parameter's `.grad` after this node has run, as it would after
+    AccumulateGrad. (Post-accumulate-grad hooks on these parameters therefore do not fire;
+    nothing in shardwise registers one.)"""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
+        ctx.param, ctx.grad_spec = param, grad_spec
+        ctx.set_materialize_grads(False)
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None
+        param, held = ctx.param, ctx.param.grad
+        if held is None:  # the first micro-batch: the gradient becomes the parameter's
+            # the spec's stride is that of a contiguous parameter; a fresh copy per gradient, as
+            # torch does, so that sharding propagation on one gradient never touches another's
+            param.grad = DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False)
+        elif (isinstance(held, DTensor) and held._spec.placements == ctx.grad_spec.placements
+              and held._local_tensor.shape == grad.shape):
+            held._local_tensor.add_(grad)
+        else:  # a gradient of another layout (set by other code): autograd accumulates it
+            return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
+        return None, None
+
+
+@dataclass
+class TPRegion:
+    """The tensor-parallel group of a model and the collectives between its modules."""
+
+    mesh: DeviceMesh
+    sequence_parallel: bool
+    group: dist.ProcessGroup = field(init=False)
+    size: int = field(init=False)
+    rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group, self.size = self.mesh.get_group(), self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
+
+    def full_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A block's input as the full activation: all-gathered along the sequence (sequence
+        parallel) or passed through with an all-reduced gradient (Megatron's f)."""
+        if self.sequence_parallel:
+            return _GatherSequence.apply(x, self.group, self.size)
+        return _CopyToRegion.apply(x, self.group)
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """A rowwise module's partial output summed over tp: reduce-scattered along the
+        sequence (sequence parallel) or all-reduced."""
+        if self.sequence_parallel:
+            return _ScatterSequence.apply(y, self.group, self.size)
+        return _ReduceFromRegion.apply(y, self.group)
+
+    def vocab_output(self, loss_par: bool) -> Transform:
+        """The output projection's vocabulary-sharded logits: a `Shard(-1)` DTensor for the
+        loss-parallel cross entropy, or all-gathered to the full logits."""
+        if loss_par:
+            return lambda y: DTensor.from_local(y, self.mesh, [Shard(y.dim() - 1)],
+                                                run_check=False)
+        return lambda y: _GatherLast.apply(y, self.group, self.size, self.rank)
+
+
+class VocabLookup:
+    """Vocabulary-parallel embedding: each rank looks up the tokens of its `rows` rows (zeros
+    for the others); the reduction over tp (`reduce_output`) leaves every token's one real row."""
+
+    def __init__(self, region: TPRegion, rows: int) -> None:
+        self.region, self.rows = region, rows
+        self.start = region.rank * rows
+        self.outside: list[torch.Tensor] = []  # per call in flight, for `combine`
+
+    def local_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.rows)
+        self.outside.append(outside)
+        return local.masked_fill(outside, 0)
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(self.outside.pop().unsqueeze(-1), 0.0)
+        return self.region.reduce_output(out)
+
+
+# --- collectives with their autograd duals ----------------------------------------------------------
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`."""
+    x = x.contiguous()
+    out = x.new_empty((size, *x.shape))
+    all_gather_flat(out.view(-1), x.view(-1), group)
+    return out.movedim(0, dim).flatten(dim, dim + 1) if dim else out.flatten(0, 1)
+
+
+def _scatter_sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Chunk `rank` along `dim` of the sum over ranks of `x`."""
+    chunks = x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    reduce_scatter_flat(out.view(-1), chunks.view(-1), group)
+    return out
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ranks, into a new tensor (a gradient handed to backward may be shared with
+    another branch of the graph, so it is never reduced in place)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather along the sequence; backward: reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _gather(x, SEQ_DIM, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _scatter_sum(grad, SEQ_DIM, ctx.group, ctx.size), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward: reduce-scatter along the sequence; backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _scatter_sum(x, SEQ_DIM, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, SEQ_DIM, ctx.group, ctx.size), None, None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron's g: all-reduce forward (in place: its input is a row-parallel matmul's fresh
+    output, which nothing saves for backward), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        if not x.is_contiguous():
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Forward: all-gather along the last dim (full logits); backward: this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int,
+                rank: int) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, x.shape[-1]
+        return _gather(x, x.dim() - 1, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width), None, None, None
+
+
+# --- loss parallel ------------------------------------------------------------------------------------
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
-    """Cross entropy on vocabulary-sharded logits (DTensor's loss_parallel) when enabled."""
+    """Where F.cross_entropy on the vocabulary-sharded logits DTensor is valid (torch's
+    loss_parallel), for code that calls it; `vocab_parallel_loss_sum` is the fast path."""
     return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets with this value count nothing
+
+
+def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of the cross entropy of vocabulary-sharded logits (a `Shard(-1)` DTensor
+    of shape (..., vocab)), in fp32, as a plain scalar equal on every tp rank — the number
+    `F.cross_entropy(full_logits.float(), targets, reduction="sum")` gives, without gathering
+    the logits and without DTensor's per-op dispatch (torch's loss_parallel: ~2.5 ms more per
+    micro-batch on CPU and three collectives; this: one all-gather of 2 values per token)."""
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    start = mesh.get_local_rank() * local.shape[-1]
+    return _VocabParallelCrossEntropy.apply(local.flatten(0, -2).float(), targets.flatten(),
+                                            start, mesh.get_group(), mesh.size())
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """loss = logsumexp over the whole vocabulary − z_target, with one collective per call:
+    each rank's log-sum-exp over its shard (stable with its own max) and its target logit (0
+    where the target is another rank's) are all-gathered, and every rank combines them —
+    logsumexp over ranks, sum over ranks. Megatron's version all-reduces the max first and
+    then the exp-sums and target logits: two collectives of the same size."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
+                group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        peak = logits.max(dim=-1).values
+        exp = (logits - peak.unsqueeze(-1)).exp_()
+        local = targets - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        picked = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
+        stats = torch.stack([peak + exp.sum(dim=-1).log(), picked])
+        every = stats.new_empty((size, *stats.shape))
+        all_gather_flat(every.view(-1), stats.view(-1), group)
+        lse = torch.logsumexp(every[:, 0], dim=0)
+        valid = targets != IGNORE_INDEX
+        softmax = exp.mul_((peak - lse).exp_().unsqueeze(-1))  # exp(z - lse)
+        ctx.save_for_backward(softmax, index, inside & valid, valid)
+        return ((lse - every[:, 1].sum(dim=0)) * valid).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, hit, valid = ctx.saved_tensors
+        g = softmax * (grad * valid).unsqueeze(-1)
+        g.scatter_add_(-1, index, -(grad * hit).unsqueeze(-1).to(g.dtype))
+        return g, None, None, None, None

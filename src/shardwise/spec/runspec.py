@@ -208,7 +208,9 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1
     zero: int = -1
-    sequence_parallel: bool = True  # with tp > 1: norms and residuals sharded along the sequence
+    # with tp > 1: norms and residuals sharded along the sequence (activation memory / tp, twice
+    # the collectives); off by default: 1.1-1.5x the step time on CPU/gloo (benchmarks/bench_tp)
+    sequence_parallel: bool = False
     loss_parallel: bool = True  # with tp > 1: cross entropy on vocabulary-sharded logits
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved-1f1b needs >= 2)
