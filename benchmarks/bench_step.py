@@ -73,7 +73,6 @@ from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatc
 from shardwise.models import build_model
 from shardwise.parallel.distributed import init_distributed
 from shardwise.run.optim import lr_at
-from shardwise.run.step import StepLog
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
