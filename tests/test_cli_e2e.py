@@ -136,6 +136,7 @@ def _export(run_dir: Path, cwd: Path) -> Path:
 
 def test_examples_load_and_fit_their_layout():
     from shardwise.data.sampler import BatchLayout
+    from shardwise.models.registry import describe_model
     from shardwise.parallel.checks import check_layout
     from shardwise.parallel.devices import resolve_nproc
     from shardwise.parallel.dims import ParallelDims
@@ -147,4 +148,5 @@ def test_examples_load_and_fit_their_layout():
         spec = load_spec(path)
         dims = ParallelDims.from_spec(spec.parallel, resolve_nproc(spec.parallel))
         layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
-        check_layout(spec, dims, spec.data.vocab_size, layout.accumulation)
+        plan = describe_model(spec.model, spec.data.vocab_size, spec.data.seq_len)
+        check_layout(spec, dims, plan, layout.accumulation)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conftest import tiny_spec
 from shardwise.models import build_model
+from shardwise.models.plan import ModelPlan, ModelShape, plan_of
 from shardwise.parallel.tensor_parallel import (
     IGNORE_INDEX,
     apply_tensor_parallel,
@@ -79,7 +80,7 @@ def _placements_rank(store: Any, sequence_parallel: bool) -> dict[str, Any]:
         model = build_model(ModelSection(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
                                          ffn_hidden=64, tie_embeddings=False),
                             vocab_size=64, seq_len=8, seed=0)
-        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel,
+        apply_tensor_parallel(model, plan_of(model), mesh, sequence_parallel=sequence_parallel,
                               loss_parallel=True)
         placements = {name: (tuple(str(p) for p in param.placements)
                              if isinstance(param, DTensor) else "plain")
@@ -195,9 +196,9 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.ln(x))
 
-    @staticmethod
-    def sharding_plan() -> dict[str, str]:
-        return {"ln": "sequence", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+    def shardwise_plan(self) -> ModelPlan:
+        return ModelPlan(shape=ModelShape(params=0),
+                         tp={"ln": "sequence", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"})
 
 
 def _block_rank(store: Any, sequence_parallel: bool) -> dict[str, float]:
@@ -213,7 +214,8 @@ def _block_rank(store: Any, sequence_parallel: bool) -> dict[str, float]:
         ref(x).pow(2).sum().backward()
         block = copy.deepcopy(ref)
         block.zero_grad()
-        apply_tensor_parallel(block, mesh, sequence_parallel=sequence_parallel, loss_parallel=False)
+        apply_tensor_parallel(block, plan_of(block), mesh, sequence_parallel=sequence_parallel,
+                              loss_parallel=False)
         inp = x.detach().chunk(2, dim=1)[rank] if sequence_parallel else x.detach()
         want = ref(x).detach().chunk(2, dim=1)[rank] if sequence_parallel else ref(x).detach()
         out = block(inp)

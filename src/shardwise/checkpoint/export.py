@@ -8,6 +8,7 @@ written beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -19,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from shardwise.checkpoint.integrity import META, verify
 from shardwise.errors import UserError
 from shardwise.models import build_model
+from shardwise.models.plan import plan_of
+from shardwise.models.registry import model_source
 from shardwise.run import rundir
 
 
@@ -43,13 +46,14 @@ def export_safetensors(checkpoint: Path, out_dir: Path) -> Path:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
-    tied = spec.model.tie_embeddings
-    tensors = {k: v.detach().contiguous() for k, v in state.items()
-               if not (tied and k == "output.weight")}  # safetensors stores a shared tensor once
+    tied = plan_of(model).tied
+    copies = {name for group in tied for name in group[1:]}
+    # safetensors stores a shared tensor once: one tensor per tied group, under its first name
+    tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in copies}
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {"family": spec.model.family, "vocab_size": data.vocab_size,
-              "seq_len": spec.data.seq_len, **spec.model.__dict__,
-              "tied_output_weight": "tok_embeddings.weight" if tied else None,
+    config = {"vocab_size": data.vocab_size, "seq_len": spec.data.seq_len,
+              **dataclasses.asdict(spec.model), "tied": [list(g) for g in tied],
+              "source": model_source(spec.model.family),
               "checkpoint": str(checkpoint),
               "step": json.loads((checkpoint / META).read_text())["step"]}
     model_file = out_dir / "model.safetensors"
@@ -68,10 +72,11 @@ def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
     from shardwise.spec.runspec import ModelSection
 
     config = json.loads((model_file.parent / "config.json").read_text())
-    fields = {k: config[k] for k in ModelSection.__dataclass_fields__}
+    fields = {k: config[k] for k in ModelSection.__dataclass_fields__ if k in config}
     model = build_model(ModelSection(**fields), config["vocab_size"], config["seq_len"], seed=0)
     tensors = load_file(str(model_file))
-    if config["tied_output_weight"]:
-        tensors["output.weight"] = tensors[config["tied_output_weight"]]
+    for group in config.get("tied", []):
+        for name in group[1:]:
+            tensors[name] = tensors[group[0]]
     model.load_state_dict(tensors, strict=True)
     return model, config

@@ -1,9 +1,9 @@
 """A clean decoder-only GPT: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention.
 
-The model knows nothing of meshes. Its parallelizable modules have stable names
-(`layers.N.attention.wq/wk/wv/wo`, `layers.N.feed_forward.w1/w2/w3`, `tok_embeddings`, `output`)
-and `sharding_plan()` declares which of them are column-, row- or sequence-parallel, so that
-`shardwise.parallel.parallelize` can apply any layout without touching this file.
+The model knows nothing of meshes. It declares its plan (`shardwise_plan()`, see
+`shardwise.models.plan`) like any user model: the blocks, which modules tensor parallel splits
+and how, and the pipeline cut — so `shardwise.parallel` applies any layout without naming any of
+its modules.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from shardwise.models.plan import ModelPlan, ModelShape, Stages
 from shardwise.spec.runspec import ModelSection
 from shardwise.telemetry.flops import FlopCounts
 
@@ -122,16 +122,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
-        # Set by shardwise.parallel.memory: recompute this block's activations in backward.
-        # A flag rather than a wrapper module keeps parameter names (and checkpoints) unchanged.
-        self.activation_checkpoint = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
-
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -211,20 +203,31 @@ class GPT(nn.Module):
         """
         return self.flop_counts().per_token(causal_halved)
 
-    @staticmethod
-    def sharding_plan() -> dict[str, str]:
-        """Module-name patterns and how tensor/sequence parallel splits them (used by later layouts)."""
-        return {
-            "tok_embeddings": "rowwise",
-            "layers.*.attention_norm": "sequence",
-            "layers.*.attention.wq": "colwise",
-            "layers.*.attention.wk": "colwise",
-            "layers.*.attention.wv": "colwise",
-            "layers.*.attention.wo": "rowwise",
-            "layers.*.ffn_norm": "sequence",
-            "layers.*.feed_forward.w1": "colwise",
-            "layers.*.feed_forward.w3": "colwise",
-            "layers.*.feed_forward.w2": "rowwise",
-            "norm": "sequence",
-            "output": "colwise",
-        }
+    def shardwise_plan(self) -> ModelPlan:
+        """Blocks `layers.N`; Megatron's split of attention (q/k/v by heads, o by its input) and
+        of the SwiGLU MLP; vocabulary-parallel embedding and output; the norms between blocks
+        sequence-parallel; a pipeline stage is cut between blocks (embedding first, final norm
+        and output last)."""
+        cfg = self.cfg
+        return ModelPlan(
+            shape=ModelShape(params=self.num_params(), layers=cfg.n_layers, hidden=cfg.d_model,
+                             heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_hidden,
+                             vocab=cfg.vocab_size, seq_len=cfg.seq_len),
+            blocks="layers",
+            tp={"tok_embeddings": "embedding",
+                "layers.*.attention_norm": "sequence",
+                "layers.*.attention": "full_input",
+                "layers.*.attention.wq": "colwise",
+                "layers.*.attention.wk": "colwise",
+                "layers.*.attention.wv": "colwise",
+                "layers.*.attention.wo": "rowwise",
+                "layers.*.ffn_norm": "sequence",
+                "layers.*.feed_forward.w1": "colwise",
+                "layers.*.feed_forward.w3": "colwise",
+                "layers.*.feed_forward.w2": "rowwise",
+                "norm": "sequence",
+                "output": "output"},
+            stages=Stages(first=("tok_embeddings",), last=("norm", "output")),
+            attention="layers.*.attention",
+            flop_counts=self.flop_counts(),
+        )

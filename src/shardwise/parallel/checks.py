@@ -1,13 +1,15 @@
 """Layout checks that need the model shape: refused up front, with the numbers and a valid choice.
 
 `ParallelDims.validate` checks degrees against the world size; this module checks them against
-the model (heads, vocabulary, layers) and the batch (micro-batches per pipeline schedule). Imports
+the model, as its plan describes it (which modules tensor parallel splits and their sizes, heads,
+blocks), and the batch (micro-batches per pipeline schedule). Imports
 no torch, so the planner can call it anywhere.
 """
 
 from __future__ import annotations
 
 from shardwise.errors import SpecError
+from shardwise.models.plan import ModelPlan
 from shardwise.parallel.dims import ParallelDims
 from shardwise.spec.runspec import RunSpec
 
@@ -17,53 +19,85 @@ def _nearest_divisor(n: int, want: int) -> int:
     return min(divisors, key=lambda d: (abs(d - want), -d))
 
 
-def check_layout(spec: RunSpec, dims: ParallelDims, vocab_size: int, accumulation: int) -> None:
-    """Raise SpecError if the layout cannot run this model and batch."""
-    model, par = spec.model, spec.parallel
+def check_layout(spec: RunSpec, dims: ParallelDims, plan: ModelPlan, accumulation: int) -> None:
+    """Raise SpecError if the layout cannot run this model (as its plan describes it) and batch."""
+    par = spec.parallel
     if dims.tp > 1:
-        ffn = model.ffn_hidden or (int(8 * model.d_model / 3) + 63) // 64 * 64
-        for what, n in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
-                        ("the vocabulary (data.vocab_size)", vocab_size),
-                        ("model.ffn_hidden", ffn), ("model.d_model", model.d_model)):
-            if n % dims.tp:
-                raise SpecError(
-                    f"tensor parallel tp = {dims.tp} does not divide {what} = {n}: every tp rank "
-                    f"must hold an equal share. The nearest tp that does is "
-                    f"{_nearest_divisor(n, dims.tp)}; or change {what} to a multiple of {dims.tp}."
-                )
-        if par.sequence_parallel and spec.data.seq_len % dims.tp:
-            raise SpecError(
-                f"sequence parallel splits each sequence across tp = {dims.tp} ranks, but "
-                f"data.seq_len = {spec.data.seq_len} is not a multiple of {dims.tp}. Use a "
-                "multiple, or set parallel.sequence_parallel = false."
-            )
-    if (dims.tp > 1 or dims.pp > 1) and model.tie_embeddings:
+        _check_tensor_parallel(spec, dims, plan)
+    if dims.pp > 1 and not plan.supports_pp:
         raise SpecError(
-            f"model.tie_embeddings = true shares one weight between the embedding and the output "
-            f"layer, which tp = {dims.tp} / pp = {dims.pp} place differently. Set "
-            "model.tie_embeddings = false for tensor or pipeline parallel runs."
-        )
+            f"pipeline parallel pp = {dims.pp} needs the model's plan to say where a stage is cut "
+            f"(`blocks` and `stages`), and {_model_name(spec)} declares "
+            f"{'no blocks' if not plan.blocks else 'no stages'}. Use pp = 1 (every data-parallel "
+            "layout works without a plan), or add them to the model's plan (see "
+            "shardwise.models.plan).")
+    if spec.memory.activation_checkpoint != "none" and not plan.blocks:
+        raise SpecError(
+            f"memory.activation_checkpoint = {spec.memory.activation_checkpoint!r} recomputes "
+            f"the model's blocks, and {_model_name(spec)} declares none in its plan. Set it to "
+            "\"none\", or name the blocks (`blocks` in the model's plan).")
     if dims.pp > 1:
-        _check_pipeline(spec, dims, accumulation)
+        _check_pipeline(spec, dims, plan, accumulation)
     elif par.pp_virtual_stages != 1:
         raise SpecError(f"parallel.pp_virtual_stages = {par.pp_virtual_stages} only applies to "
                         "pipeline parallel (pp > 1). Set it to 1.")
     if spec.run.determinism == "invariant":
         _check_invariant(spec, dims, accumulation)
-    if spec.run.precision == "fp16" and dims.tp > 1:
+
+
+def _model_name(spec: RunSpec) -> str:
+    return f"model.family = {spec.model.family!r}"
+
+
+def _check_tensor_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
+    tp = dims.tp
+    if not plan.supports_tp:
+        raise SpecError(
+            f"tensor parallel tp = {tp} needs the model's plan to say which modules to split, "
+            f"and {_model_name(spec)} declares no tensor-parallel plan. Use tp = 1 (every "
+            "data-parallel layout works without a plan), or add `tp` to the model's plan (see "
+            "shardwise.models.plan).")
+    shape = plan.shape
+    for what, n in (("the attention heads (n_heads)", shape.heads),
+                    ("the key/value heads (n_kv_heads)", shape.kv_heads)):
+        _divides(tp, what, n)
+    for name, (style, size) in plan.tp_sizes.items():
+        if size < 0:
+            raise SpecError(
+                f"the model's tensor-parallel plan makes {name} {style}, but that module is "
+                f"neither a Linear nor (for `embedding`) an Embedding. Change the plan's pattern "
+                "so it names only such modules.")
+        if style != "sequence":
+            _divides(tp, f"the split size of {name} ({style})", size)
+    if spec.parallel.sequence_parallel and spec.data.seq_len % tp:
+        raise SpecError(
+            f"sequence parallel splits each sequence across tp = {tp} ranks, but "
+            f"data.seq_len = {spec.data.seq_len} is not a multiple of {tp}. Use a "
+            "multiple, or set parallel.sequence_parallel = false."
+        )
+    if spec.run.precision == "fp16":
         raise SpecError("fp16 with tensor parallel is not supported (loss-scale unscaling of "
                         "DTensor gradients); use run.precision = \"bf16\" or tp = 1.")
 
 
-def _check_pipeline(spec: RunSpec, dims: ParallelDims, accumulation: int) -> None:
+def _divides(tp: int, what: str, n: int) -> None:
+    if n and n % tp:
+        raise SpecError(
+            f"tensor parallel tp = {tp} does not divide {what} = {n}: every tp rank must hold "
+            f"an equal share. The nearest tp that does is {_nearest_divisor(n, tp)}; or change "
+            f"the model so that it is a multiple of {tp}.")
+
+
+def _check_pipeline(spec: RunSpec, dims: ParallelDims, plan: ModelPlan,
+                    accumulation: int) -> None:
     par = spec.parallel
     v, schedule = par.pp_virtual_stages, par.pp_schedule
     stages = dims.pp * v
-    if spec.model.n_layers < stages:
+    if plan.n_blocks < stages:
         raise SpecError(
-            f"pp = {dims.pp} x pp_virtual_stages = {v} = {stages} pipeline stages, but "
-            f"model.n_layers = {spec.model.n_layers}: every stage needs at least one layer. "
-            f"Use pp <= {spec.model.n_layers // v} or more layers."
+            f"pp = {dims.pp} x pp_virtual_stages = {v} = {stages} pipeline stages, but the "
+            f"model has {plan.n_blocks} blocks: every stage needs at least one. "
+            f"Use pp <= {plan.n_blocks // v} or more layers."
         )
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise SpecError(f"parallel.pp_schedule = {schedule!r} runs one stage per rank; set "

@@ -107,6 +107,11 @@ def _no_buffer_sync() -> dict[str, bool]:
     return {**off, "broadcast_buffers": False}
 
 
+def unwrap(part: nn.Module) -> nn.Module:
+    """The user's module under a DDP wrapper (FSDP2 keeps the module itself)."""
+    return part.module if isinstance(part, DDP) else part
+
+
 def _local_slice(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's dim-0 chunk of `full`, with DTensor's Shard(0) sizes (ceil, last may be short)."""
     n, size, rank = full.shape[0], mesh.size(), mesh.get_local_rank()

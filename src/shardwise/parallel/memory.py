@@ -1,33 +1,63 @@
-"""Activation checkpointing and per-block compilation: compute traded for memory or speed."""
+"""Activation checkpointing and per-block compilation: compute traded for memory or speed.
+
+Both work on the blocks the model's plan names. Activation checkpointing replaces a block's
+`forward` on the instance (a wrapper module would rename every parameter, and with them every
+checkpoint key), so FSDP's hooks, compile and state dicts see the same module as before.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+from typing import Any
 
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardwise.models.plan import ModelPlan
 from shardwise.spec.runspec import MemorySection
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None)
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+def blocks_of(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:
+    """(name within the container, block) for the blocks this model (or pipeline stage) holds;
+    names are the whole model's ("0".."L-1"), also on a stage that holds only some."""
+    if not plan.blocks:
+        return []
+    container = model.get_submodule(plan.blocks)
+    return [(name, block) for name, block in container._modules.items() if block is not None]
 
 
-def apply_activation_checkpointing(model: nn.Module, memory: MemorySection) -> int:
-    """Mark blocks to recompute activations in backward; returns how many were marked.
+def apply_activation_checkpointing(model: nn.Module, plan: ModelPlan,
+                                   memory: MemorySection) -> int:
+    """Recompute blocks' activations in backward; returns how many blocks were wrapped.
 
-    `full` marks every block; `selective` every `ac_every`-th (by global layer index, so a
-    pipeline stage marks the same layers the whole model would).
+    `full` wraps every block; `selective` every `ac_every`-th (by its position in the whole
+    model, so a pipeline stage wraps the same blocks the whole model would).
     """
-    marked = 0
-    for name, block in getattr(model, "layers", {}).items():
+    wrapped = 0
+    for position, (name, block) in enumerate(blocks_of(model, plan)):
+        index = int(name) if name.isdigit() else position
         on = memory.activation_checkpoint == "full" or (
-            memory.activation_checkpoint == "selective" and int(name) % memory.ac_every == 0)
-        block.activation_checkpoint = on
-        marked += on
-    return marked
+            memory.activation_checkpoint == "selective" and index % memory.ac_every == 0)
+        if on:
+            _checkpointed(block)
+            wrapped += 1
+    return wrapped
 
 
-def apply_compile(model: nn.Module) -> None:
+def _checkpointed(block: nn.Module) -> None:
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return inner(*args, **kwargs)
+
+    block.forward = forward
+
+
+def apply_compile(model: nn.Module, plan: ModelPlan) -> None:
     """torch.compile each block in place (parameter names stay the same)."""
-    for block in blocks_of(model):
+    for _name, block in blocks_of(model, plan):
         block.compile()

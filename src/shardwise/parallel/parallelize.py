@@ -13,319 +13,82 @@ Order, and why it is fixed:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardwise.parallel.collectives import all_gather_flat
-from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp
+from shardwise.models.plan import plan_of
+from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, unwrap
 from shardwise.parallel.distributed import DistContext
-from shardwise.parallel.invariant import PairwiseAccumulator, install_on_fsdp, tree_reduce_scatter
+from shardwise.parallel.execution import ParallelModel
+from shardwise.parallel.invariant import install_on_fsdp
 from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile, blocks_of
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
-from shardwise.parallel.precision import autocast
-from shardwise.parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    loss_context,
-    vocab_parallel_loss_sum,
-)
+from shardwise.parallel.tensor_parallel import apply_tensor_parallel
+from shardwise.parallel.tied import TiedAcrossStages
 from shardwise.spec.runspec import RunSpec
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class ParallelModel:
-    """The model as this rank holds it: one part, or several pipeline stages, plus how to run it."""
-
-    parts: list[nn.Module]
-    ctx: DistContext
-    precision: str
-    loss_parallel: bool = False
-    sequence_parallel: bool = False
-    invariant: bool = False  # gradients summed in one fixed tree (see parallel/invariant.py)
-    pipeline: Pipeline | None = None
-    stage_ids: list[int] = field(default_factory=lambda: [0])
-    n_stages: int = 1
-    schedule: str = ""
-    phase_hook: Callable[[str], None] | None = None  # told "forward"/"backward" (fault drills)
-    _loss_scale: float = 1.0
-
-    # --- plain module-like helpers -----------------------------------------------------------
-    def parameters(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for part in self.parts:
-            for p in part.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
-    def train(self, mode: bool = True) -> None:
-        for part in self.parts:
-            part.train(mode)
-
-    def eval(self) -> None:
-        self.train(False)
-
-    def _phase(self, name: str) -> None:
-        if self.phase_hook is not None:
-            self.phase_hook(name)
-
-    @functools.cached_property
-    def tp_rank(self) -> int:
-        """(Cached: slicing a mesh builds a new DeviceMesh, too slow for every step.)"""
-        return self.ctx.mesh["tp"].get_local_rank() if self.ctx.mesh is not None else 0
-
-    @property
-    def holds_last_stage(self) -> bool:
-        return self.n_stages - 1 in self.stage_ids
-
-    # --- training ------------------------------------------------------------------------------
-    def forward_backward(self, batches: Sequence[Batch], loss_scale: float) -> torch.Tensor:
-        """Run this rank's micro-batches; return its local sum of token losses (float64).
-
-        `loss_scale` multiplies each micro-batch's loss sum before backward (1 / the step's global
-        token count, times the fp16 loss scale); every data-parallel reduction is a plain sum.
-        Under pipeline parallel the sum is known only on the last stage; other ranks return 0.
-        """
-        self._loss_scale = loss_scale
-        if self.invariant:
-            return self._forward_backward_invariant(batches, loss_scale)
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        if self.pipeline is not None:
-            inputs = torch.cat([b[0] for b in batches])
-            targets = torch.cat([b[1] for b in batches])
-            self._phase("forward")
-            self._phase("backward")  # the schedule interleaves both; a drill fires before it
-            with self._autocast():
-                losses = self.pipeline.run(inputs, targets)
-            for loss in losses:
-                total += loss.detach().double()
-            return total / loss_scale
-        model = self.parts[0]
-        for i, (inputs, targets) in enumerate(batches):
-            with _grad_sync(model, enabled=i == len(batches) - 1), loss_context(self.loss_parallel):
-                self._phase("forward")
-                with self._autocast():
-                    logits = model(inputs)
-                loss_sum = self.token_loss_sum(logits, targets)
-                self._phase("backward")
-                (loss_sum * loss_scale).backward()
-            total += _full_value(loss_sum.detach()).double()
-        return total
-
-    def _forward_backward_invariant(self, batches: Sequence[Batch],
-                                    loss_scale: float) -> torch.Tensor:
-        """Round a = this rank's a-th micro-batch (global micro-batch aD + dp_rank): a fresh
-        gradient, tree-reduced over the dp ranks of the round, accumulated pairwise over rounds."""
-        model = self.parts[0]
-        params = [p for p in model.parameters() if p.requires_grad]
-        fsdp = isinstance(model, FSDPModule)
-        group = self.ctx.dp_group() if self.ctx.dims.dp > 1 else None
-        acc = PairwiseAccumulator()
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for inputs, targets in batches:
-            for p in params:
-                p.grad = None
-            if fsdp:  # FSDP reduces every round with the tree reduce-scatter installed on it
-                model.set_requires_gradient_sync(True)
-            self._phase("forward")
-            loss_sum = self.token_loss_sum(model(inputs), targets)
-            self._phase("backward")
-            (loss_sum * loss_scale).backward()
-            total += loss_sum.detach().double()
-            if fsdp:
-                acc.push([p.grad for p in params])
-            else:
-                flat = _flatten_grads(params, group.size() if group is not None else 1)
-                acc.push([tree_reduce_scatter(flat, group) if group is not None else flat])
-        reduced = acc.result()
-        if fsdp:
-            for p, g in zip(params, reduced, strict=True):
-                p.grad = g
-        else:
-            shard = reduced[0]
-            full = shard
-            if group is not None:
-                full = shard.new_empty(shard.numel() * group.size())
-                all_gather_flat(full, shard, group)
-            _unflatten_grads(params, full)
-        return total
-
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """loss_fn of the pipeline schedule: the scaled token-loss sum of one micro-batch."""
-        return self.token_loss_sum(output, target) * self._loss_scale
-
-    @staticmethod
-    def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if isinstance(logits, DTensor):  # vocabulary-sharded (loss parallel)
-            return vocab_parallel_loss_sum(logits, targets)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """The precision policy's forward context, the same on every layout (parallel/precision)."""
-        return autocast(self.precision, self.ctx.device.type)
-
-    # --- forward only (evaluation, generation) ---------------------------------------------------
-    @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Full logits on ranks that hold the last stage (every rank without pipeline); None on
-        others. A collective: every rank calls it with the same tokens."""
-        with self._autocast():
-            out = self.parts[0](tokens) if self.pipeline is None else self._pipeline_forward(tokens)
-        if isinstance(out, DTensor):
-            out = out.full_tensor()
-        return out
-
-    def _holder(self, stage: int) -> int:
-        """pp rank that holds `stage`."""
-        pp = self.ctx.dims.pp
-        if self.schedule == "zero-bubble":
-            return stage if stage < pp else 2 * pp - 1 - stage
-        return stage % pp
-
-    def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Stage by stage with point-to-point sends: no schedule, so any batch size works."""
-        pp_mesh = self.ctx.mesh["pp"]
-        group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
-        x: torch.Tensor | None = None
-        for stage in range(self.n_stages):
-            if self._holder(stage) != me:
-                continue
-            if stage > 0 and self._holder(stage - 1) != me:
-                x = _recv_tensor(dist.get_global_rank(group, self._holder(stage - 1)), group,
-                                 self.ctx.device)
-            x = self.parts[self.stage_ids.index(stage)](tokens if stage == 0 else x)
-            if stage < self.n_stages - 1 and self._holder(stage + 1) != me:
-                _send_tensor(x, dist.get_global_rank(group, self._holder(stage + 1)), group)
-        return x if self.holds_last_stage else None
-
-
-def _send_tensor(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    """A tensor of any shape and dtype, preceded by its header; everything on x's device (the
-    backend may be NCCL, which has no CPU tensors)."""
-    x = x.to_local() if isinstance(x, DTensor) else x
-    header = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64,
-                          device=x.device)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=x.device), dst, group=group)
-    dist.send(header, dst, group=group)
-    dist.send(x.contiguous(), dst, group=group)
-
-
-def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(n, src, group=group)
-    header = torch.zeros(int(n), dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    ndim = int(header[0])
-    shape, dtype = header[1:1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
-    x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, src, group=group)
-    return x
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _flatten_grads(params: list[nn.Parameter], world: int) -> torch.Tensor:
-    """All gradients in one flat buffer (zeros for parameters without one), padded to a multiple
-    of `world` so it splits into equal chunks."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
-    pad = -flat.numel() % world
-    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-
-def _unflatten_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
-
-
-def _full_value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-@contextlib.contextmanager
-def _grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip gradient communication on accumulation micro-batches; sync on the last one."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-        yield
-    elif isinstance(model, DDP) and not enabled:
-        with model.no_sync():
-            yield
-    else:
-        yield
+__all__ = ["ParallelModel", "local_bytes", "parallelize", "unwrap"]
 
 
 def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
                 accumulation: int) -> ParallelModel:
-    """Apply the layout of `ctx.dims` to `model` (built identically on every rank)."""
+    """Apply the layout of `ctx.dims` to `model` (built identically on every rank), reading
+    only the model's plan."""
     dims, par = ctx.dims, spec.parallel
+    plan = plan_of(model)
     model = model.to(ctx.device)
+    invariant = spec.run.determinism == "invariant"
     if ctx.mesh is None:
-        apply_activation_checkpointing(model, spec.memory)
+        apply_activation_checkpointing(model, plan, spec.memory)
         if spec.memory.compile:
-            apply_compile(model)
-        return ParallelModel([model], ctx, spec.run.precision,
-                             invariant=spec.run.determinism == "invariant")
+            apply_compile(model, plan)
+        return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant)
 
     # 1. pipeline split
     ids, n_stages, parts = [0], 1, [model]
     if dims.pp > 1:
         n_stages = dims.pp * par.pp_virtual_stages
-        counts = stage_layer_counts(spec.model.n_layers, n_stages)
+        counts = stage_layer_counts(len(blocks_of(model, plan)), n_stages)
         ids = stage_ids(ctx.mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages,
                         par.pp_schedule)
-        parts = [split_model(model, sid, counts) for sid in ids]
+        parts = [split_model(model, plan, sid, counts) for sid in ids]
         del model
     # 2. tensor + sequence parallel (loss parallel only without pipeline: stage outputs must be
-    #    plain tensors for the schedule)
-    loss_par = dims.tp > 1 and par.loss_parallel and dims.pp == 1
+    #    plain tensors for the schedule; and only for shardwise's own cross entropy)
+    loss_par = dims.tp > 1 and par.loss_parallel and dims.pp == 1 and plan.loss is None
     if dims.tp > 1:
         for part in parts:
-            apply_tensor_parallel(part, ctx.mesh["tp"], sequence_parallel=par.sequence_parallel,
-                                  loss_parallel=loss_par)
+            apply_tensor_parallel(part, plan, ctx.mesh["tp"],
+                                  sequence_parallel=par.sequence_parallel, loss_parallel=loss_par)
     # 5. activation checkpointing, 6. compile
     for part in parts:
-        apply_activation_checkpointing(part, spec.memory)
+        apply_activation_checkpointing(part, plan, spec.memory)
         if spec.memory.compile:
-            apply_compile(part)
+            apply_compile(part, plan)
+    # tied tensors whose members sit on different stages: found before DDP renames parameters
+    tied = TiedAcrossStages.build(parts, ids, n_stages, plan, ctx) if dims.pp > 1 else None
     # 7. data parallel (invariant mode reduces DDP/ZeRO-1 gradients itself, in a fixed tree)
-    invariant = spec.run.determinism == "invariant"
     if dims.dp > 1 or dims.zero >= 2:
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
                 else ctx.mesh["dp_shard"]
             parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
-                                blocks=blocks_of(part)) for part in parts]
+                                blocks=[b for _, b in blocks_of(part, plan)]) for part in parts]
             if invariant:
                 for part in parts:
                     install_on_fsdp(part)
         elif not invariant:
             parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
-    pm = ParallelModel(parts, ctx, spec.run.precision, loss_parallel=loss_par,
+    if tied is not None:
+        tied.resolve(parts)  # FSDP replaced the parameters by sharded ones: look them up again
+    pm = ParallelModel(parts, ctx, spec.run.precision, plan, loss_parallel=loss_par,
                        sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
-                       stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule)
+                       stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule,
+                       tied=tied if tied is not None and tied.groups else None)
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,
                                ctx.mesh["pp"], ctx.device, pm.pipeline_loss)
     return pm
-
-
-def unwrap(part: nn.Module) -> nn.Module:
-    """The user's module under a DDP wrapper (FSDP2 keeps the module itself)."""
-    return part.module if isinstance(part, DDP) else part
 
 
 def local_bytes(tensors) -> int:

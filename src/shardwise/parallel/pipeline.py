@@ -1,8 +1,10 @@
 """Pipeline parallel with torch.distributed.pipelining.
 
-The model is cut into pp x v stages by layer count. Stage s of a model is the full model with the
-other stages' layers removed (first stage keeps the embedding, last keeps the final norm and
-output), so parameter names — and therefore checkpoints — are the same at every pp degree.
+The model is cut into pp x v stages by block count, as its plan declares (`ModelPlan.blocks`,
+`ModelPlan.stages`). Stage s of a model is the full model with the other stages' blocks removed
+and the plan's `first` modules set to None on every stage but the first, its `last` modules on
+every stage but the last; so parameter names — and therefore checkpoints — are the same at every
+pp degree.
 
 Stage placement: `looped` (stage s on rank s mod pp) for GPipe, 1F1B and interleaved 1F1B; `v`
 (rank r holds stages r and 2pp-1-r) for the zero-bubble ZBV schedule.
@@ -23,6 +25,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+
+from shardwise.models.plan import ModelPlan
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -49,19 +53,23 @@ def stage_ids(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(v)]
 
 
-def split_model(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
-    """A copy of `model` holding only stage `stage`'s layers (and embedding / head if first/last)."""
+def split_model(model: nn.Module, plan: ModelPlan, stage: int, counts: list[int]) -> nn.Module:
+    """A copy of `model` holding only stage `stage`'s blocks (and the plan's first / last
+    modules on the first / last stage). Blocks are removed from the container's registry, so
+    the kept ones keep their names (`layers.5` stays `layers.5`) and iterating a ModuleList or
+    the values of a ModuleDict yields the stage's blocks in order."""
+    assert plan.stages is not None
     part = copy.deepcopy(model)
+    container = part.get_submodule(plan.blocks)
     start = sum(counts[:stage])
-    keep = {str(i) for i in range(start, start + counts[stage])}
-    for name in list(part.layers.keys()):
-        if name not in keep:
-            del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != len(counts) - 1:
-        part.norm = None
-        part.output = None
+    for position, name in enumerate(list(container._modules)):
+        if not start <= position < start + counts[stage]:
+            del container._modules[name]
+    dropped = [*(plan.stages.first if stage != 0 else ()),
+               *(plan.stages.last if stage != len(counts) - 1 else ())]
+    for path in dropped:
+        parent, _, attr = path.rpartition(".")
+        setattr(part.get_submodule(parent) if parent else part, attr, None)
     return part
 
 

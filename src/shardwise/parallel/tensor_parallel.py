@@ -1,9 +1,9 @@
 """Tensor parallel (Megatron column/row split) and sequence parallel: DTensor parameters,
 plain-tensor compute.
 
-The model declares which modules are column-, row- or sequence-parallel (`GPT.sharding_plan`);
-this module shards their parameters as DTensors on the `tp` mesh axis and makes each such module
-compute with its local shard:
+The model's plan (`shardwise.models.plan`) declares which modules are column-, row-, vocabulary-
+or sequence-parallel; this module shards their parameters as DTensors on the `tp` mesh axis and
+makes each such module compute with its local shard:
 - colwise (a Linear): weight split by output features; its input is the full activation;
 - rowwise (a Linear): weight split by input features; its partial outputs are summed over tp;
   rowwise on an Embedding is the vocabulary-parallel lookup (rows split by token id);
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fnmatch
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,80 +45,92 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shardwise.models.plan import IGNORE_INDEX, ModelPlan, PlanError
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-                          loss_parallel: bool) -> None:
-    """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`."""
-    declared = model.sharding_plan()
+def apply_tensor_parallel(model: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh, *,
+                          sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) in place over `tp_mesh`, as the
+    plan's tensor-parallel map says. Tied parameters stay one tensor: a tensor used by two
+    modules is sharded once, and both must shard it the same way (an embedding and the output
+    projection both split the vocabulary rows)."""
     region = TPRegion(tp_mesh, sequence_parallel)
-    kinds = {}
-    for name, _module in model.named_modules():
-        kind = next((k for pattern, k in declared.items() if fnmatch.fnmatchcase(name, pattern)),
-                    None)
-        if kind is not None:
-            kinds[name] = kind
-    modules = dict(model.named_modules())
-    for parent in block_inputs(kinds):
-        _on_input(modules[parent], region.full_input)
-    for name, kind in kinds.items():
-        _parallelize(name, modules[name], kind, region, loss_parallel)
+    sharded: dict[int, tuple[nn.Parameter, Placement]] = {}  # original tensor -> its DTensor
+    modules = tp_modules(model, plan)
+    regions = [name for name, _ in modules if plan.tp_style(name) == "full_input"]
+    for name, module in modules:
+        inside = any(name.startswith(r + ".") for r in regions)
+        _parallelize(name, module, plan.tp_style(name), region, loss_parallel, sharded, inside)
 
 
-def block_inputs(kinds: dict[str, str]) -> list[str]:
-    """Modules whose first input becomes the full activation (all-gathered along the sequence, or
-    all-reduced in backward): the parents of column-parallel modules — one collective for q, k
-    and v (w1 and w3) together, where the attention (feed-forward) takes its input, as Megatron's
-    fused QKV does. A top-level colwise module (the output projection) gathers its own input."""
-    parents = {name.rpartition(".")[0] for name, kind in kinds.items() if kind == "colwise"}
-    return sorted(parents - {""})
+def tp_modules(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:
+    """The modules the plan's tensor-parallel map names (first matching pattern wins)."""
+    return [(name, module) for name, module in model.named_modules()
+            if module is not None and plan.tp_style(name) is not None]
 
 
-def _on_input(module: nn.Module, transform: Transform) -> None:
-    module.register_forward_pre_hook(lambda _m, args: (transform(args[0]), *args[1:]))
-
-
-def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion,
-                 loss_par: bool) -> None:
-    if kind == "sequence":
+def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion, loss_par: bool,
+                 sharded: dict[int, tuple[nn.Parameter, Placement]], inside: bool) -> None:
+    """`inside`: the module sits in a `full_input` module, whose input is already gathered."""
+    shard = functools.partial(_shard_params, module, region.mesh, name=name, sharded=sharded)
+    if kind == "full_input":
+        module.register_forward_pre_hook(
+            lambda _m, args: (region.full_input(region.forget_input(args[0])), *args[1:]))
+    elif kind == "sequence":
         if region.sequence_parallel:  # replicated weights, partial-sum gradients
-            _shard_params(module, region.mesh, {"weight": Replicate(), "bias": Replicate()})
-            _compute_locally(module, region)
-    elif kind == "colwise":
+            shard({"weight": Replicate(), "bias": Replicate()})
+            _compute_locally(module, region, before=region.forget_input)
+    elif kind in ("colwise", "output"):
         _expect(module, nn.Linear, name, kind)
-        _shard_params(module, region.mesh, {"weight": Shard(0), "bias": Shard(0)})
-        top = "." not in name  # the output projection: gathers its input, returns logits
-        _compute_locally(module, region, before=region.full_input if top else None,
-                         after=region.vocab_output(loss_par) if top else None)
-    elif kind == "rowwise" and isinstance(module, nn.Embedding):
+        shard({"weight": Shard(0), "bias": Shard(0)})
+        _compute_locally(module, region, before=None if inside else region.shared_full_input,
+                         after=region.vocab_output(loss_par) if kind == "output" else None)
+    elif kind == "embedding":
+        _expect(module, nn.Embedding, name, kind)
         if module.padding_idx is not None or module.max_norm is not None:
-            raise ValueError(f"{name}: a vocabulary-parallel embedding supports neither "
-                             "padding_idx nor max_norm")
-        _shard_params(module, region.mesh, {"weight": Shard(0)})
+            raise PlanError(f"{name}: a vocabulary-parallel embedding supports neither "
+                            "padding_idx nor max_norm; remove it from the tensor-parallel plan "
+                            "or construct the embedding without them.")
+        shard({"weight": Shard(0)})
         lookup = VocabLookup(region, rows=module.weight.to_local().shape[0])
         _compute_locally(module, region, before=lookup.local_ids, after=lookup.combine)
-    elif kind == "rowwise":
+    else:  # rowwise
         _expect(module, nn.Linear, name, kind)
-        _shard_params(module, region.mesh, {"weight": Shard(1), "bias": Replicate()})
-        _compute_locally(module, region, after=region.reduce_output, late_bias=True)
-    else:
-        raise ValueError(f"unknown sharding kind {kind!r} for {name}")
+        shard({"weight": Shard(1), "bias": Replicate()})
+        _compute_locally(module, region, before=region.forget_input, after=region.reduce_output,
+                         late_bias=True)
 
 
 def _expect(module: nn.Module, cls: type, name: str, kind: str) -> None:
     if not isinstance(module, cls):
-        raise ValueError(f"{name}: {kind} parallel is implemented for {cls.__name__}, "
-                         f"not {type(module).__name__}")
+        raise PlanError(f"the model's tensor-parallel plan makes {name} {kind}, which is "
+                        f"implemented for {cls.__name__}, not {type(module).__name__}. Change "
+                        "the plan's pattern so it names only such modules.")
 
 
-def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
-    """Replace the module's own parameters by DTensors (rank 0's values, as DTensor styles do)."""
+def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], *,
+                  name: str, sharded: dict[int, tuple[nn.Parameter, Placement]]) -> None:
+    """Replace the module's own parameters by DTensors (rank 0's values, as DTensor styles do);
+    a tensor already sharded for another module (a tied weight) is reused, not copied."""
     for pname, param in list(module.named_parameters(recurse=False)):
-        dt = distribute_tensor(param.data, mesh, [placements[pname]])
-        module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+        want = placements[pname]
+        if id(param) in sharded:
+            done, placement = sharded[id(param)]
+            if placement != want:
+                raise PlanError(
+                    f"{name}.{pname} is tied to a parameter the tensor-parallel plan already "
+                    f"split as {placement}, but its own style needs {want}. Tied modules must "
+                    "split the tensor the same way (an `embedding` and an `output`, both by "
+                    "vocabulary row), or untie them.")
+            module.register_parameter(pname, done)
+            continue
+        dt = distribute_tensor(param.data, mesh, [want])
+        new = nn.Parameter(dt, requires_grad=param.requires_grad)
+        sharded[id(param)] = (new, want)
+        module.register_parameter(pname, new)
 
 
 # --- computing with local shards ----------------------------------------------------------------------
@@ -234,6 +245,25 @@ class TPRegion:
     def __post_init__(self) -> None:
         self.group, self.size = self.mesh.get_group(), self.mesh.size()
         self.rank = self.mesh.get_local_rank()
+
+    _last_input: tuple[torch.Tensor, int, torch.Tensor] | None = field(default=None, init=False)
+
+    def shared_full_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`full_input`, once for column-parallel modules that take the same tensor in a row
+        (q, k and v; the MLP's gate and up projections): one collective for them together, as
+        Megatron's fused QKV does, found by identity whatever the model's modules are called."""
+        last = self._last_input
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        full = self.full_input(x)
+        self._last_input = (x, x._version, full)
+        return full
+
+    def forget_input(self, x: Any) -> Any:
+        """Any other parallel module ends a run of column-parallel modules (and frees the
+        remembered activation)."""
+        self._last_input = None
+        return x
 
     def full_input(self, x: torch.Tensor) -> torch.Tensor:
         """A block's input as the full activation: all-gathered along the sequence (sequence
@@ -378,9 +408,6 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Where F.cross_entropy on the vocabulary-sharded logits DTensor is valid (torch's
     loss_parallel), for code that calls it; `vocab_parallel_loss_sum` is the fast path."""
     return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-IGNORE_INDEX = -100  # F.cross_entropy's default: targets with this value count nothing
 
 
 def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:

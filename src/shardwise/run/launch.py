@@ -103,6 +103,7 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     (unless `data`, prepared from the same `spec.data`, is given: `shardwise verify` checks many
     layouts of one job) and its hashes are pinned into the returned spec."""
     from shardwise.data import BatchLayout, prepare_data
+    from shardwise.models.registry import describe_model
     from shardwise.parallel.checks import check_layout
     from shardwise.parallel.devices import resolve_backend, resolve_device_type, resolve_nproc
     from shardwise.parallel.support import check_torch_supports
@@ -114,7 +115,8 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)
     if data is None:  # after the cheap checks: preparing a corpus can take a while
         data = prepare_data(spec.data)
-    check_layout(spec, dims, data.vocab_size, layout.accumulation)
+    plan = describe_model(spec.model, data.vocab_size, spec.data.seq_len)
+    check_layout(spec, dims, plan, layout.accumulation)
     return with_data_hashes(spec, data), dims
 
 

@@ -33,15 +33,24 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def build_adamw(named_params: Sequence[tuple[str, nn.Parameter]], opt: OptimizerSection,
                 device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms or 1-D parameters)."""
-    params = [p for _, p in named_params if p.requires_grad]
+    """AdamW; weight decay on matrices only (not norms, biases or other 1-D parameters).
+
+    Parameters are grouped by decay and by where they live (plain tensors, or DTensors of one
+    mesh): torch's foreach and fused kernels refuse to mix them in one call, and a model's
+    biases and norms may be either (a row-parallel bias is a tp DTensor, a norm a plain tensor
+    without sequence parallel)."""
+    groups: dict[tuple[bool, int], list[nn.Parameter]] = {}
+    for _, p in named_params:
+        if p.requires_grad:
+            mesh = id(p.device_mesh) if isinstance(p, DTensor) else 0
+            groups.setdefault((p.ndim >= 2, mesh), []).append(p)
     impl = opt.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt.weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        [{"params": params, "weight_decay": opt.weight_decay if decay else 0.0}
+         for (decay, _), params in sorted(groups.items(), key=lambda kv: not kv[0][0])],
         lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, **kwargs,
     )
 
@@ -87,32 +96,57 @@ class Optimizers:
                 out.extend(o.shards.values())
         return out
 
+    def _part_state(self, index: int) -> dict[str, Any]:
+        """Part `index`'s flattened optimizer state, a tied tensor's copy named by its group's
+        first name (as the single process names it), so checkpoints reshard across pp."""
+        part, o = self.pm.parts[index], self.optimizers[index]
+        sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
+            get_optimizer_state_dict(part, o, options=_FLAT)
+        return _renamed(sd, self._aliases(index))
+
+    def _aliases(self, index: int) -> dict[str, str]:
+        return self.pm.tied.aliases(index) if self.pm.tied is not None else {}
+
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
-            sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
-                get_optimizer_state_dict(part, o, options=_FLAT)
-            merged.update(sd)
+        for i in range(len(self.pm.parts)):
+            merged.update(self._part_state(i))
         return merged
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every optimizer state tensor gathered to its full value on every rank, keyed
         `state.<param>.<name>` (collective; for tests and verification of small models)."""
         full: dict[str, torch.Tensor] = {}
-        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
-            sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
-                get_optimizer_state_dict(part, o, options=_FLAT)
-            for key, value in sd.items():
+        for i in range(len(self.pm.parts)):
+            for key, value in self._part_state(i).items():
                 if key.startswith("state.") and torch.is_tensor(value):
                     full[key] = gather_full(value).detach().cpu().clone()
         return full
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, o in zip(self.pm.parts, self.optimizers, strict=True):
+        for i, (part, o) in enumerate(zip(self.pm.parts, self.optimizers, strict=True)):
+            back = {canonical: name for name, canonical in self._aliases(i).items()}
+            part_state = {**state, **_renamed(state, back)} if back else state
             if isinstance(o, Zero1Optimizer):
-                o.load_state_dict(state)
+                o.load_state_dict(part_state)
             else:
-                set_optimizer_state_dict(part, o, optim_state_dict=state, options=_FLAT)
+                set_optimizer_state_dict(part, o, optim_state_dict=part_state, options=_FLAT)
+
+
+def _renamed(flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Flattened optimizer-state keys (`state.<param>.<key>`, `param_groups.<param>.<key>`)
+    with parameter names mapped by `names`."""
+    if not names:
+        return flat
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{head}.{new}{rest[len(old):]}"
+                break
+        out[key] = value
+    return out
 
 
 def lr_at(step: int, opt: OptimizerSection, total_steps: int) -> float:
@@ -137,7 +171,7 @@ def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
     (DTensor's `full_tensor`, one all-reduce per mesh dimension, and a warning for 2-D meshes)
     and works for any mix of meshes (FSDP + TP without sequence parallel has gradients on three).
     """
-    grads = [p.grad for p in pm.parameters() if p.grad is not None]
+    grads = [p.grad for p in pm.counted_parameters() if p.grad is not None]
     device = pm.ctx.device
     counted = [_local(g).float() for g in grads if _counted_here(g, pm.ctx)]
     sq = torch.zeros((), dtype=torch.float32, device=device)

@@ -25,6 +25,7 @@ from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedDa
 from shardwise.data.ledger import LedgerWriter
 from shardwise.errors import UserError
 from shardwise.models import build_model
+from shardwise.models.plan import plan_of
 from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.devices import resolve_backend
@@ -98,9 +99,10 @@ class Trainer:
             torch.set_num_threads(1)  # the bits of a matmul depend on the thread count
         self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
                                           ctx.dims.dp)
-        check_layout(spec, ctx.dims, data.vocab_size, self.layout.accumulation)
         model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
-        self.num_params = model.num_params()
+        plan = plan_of(model)
+        check_layout(spec, ctx.dims, plan, self.layout.accumulation)
+        self.num_params = plan.shape.params
         self.model = parallelize(model, ctx, spec, self.layout.accumulation)
         self.optimizers = Optimizers(self.model, spec.optimizer)
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None

@@ -134,6 +134,12 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], origin: str)
 
 
 def _coerce(where: str, expected: Any, value: Any) -> Any:
+    if typing.get_origin(expected) is dict:
+        if isinstance(value, dict):
+            return _checked_table(where, value)
+        raise SpecError(f"{where} must be a table of keyword arguments like "
+                        f"{{ hidden = 64, layers = 2 }}, got {show(value)} "
+                        f"({type(value).__name__}).")
     if expected is bool:
         if isinstance(value, bool):
             return value
@@ -151,6 +157,30 @@ def _coerce(where: str, expected: Any, value: Any) -> Any:
     example = {bool: "true or false", int: "a whole number like 4", float: "a number like 3e-4",
                str: 'a string like "iambic"'}[expected]
     raise SpecError(f"{where} must be {example}, got {show(value)} ({type(value).__name__}).")
+
+
+def _checked_table(where: str, table: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for user code: TOML's plain values (strings, numbers, booleans) and
+    arrays and tables of them; dates and times are not arguments anything here takes."""
+    return {_checked_str(f"{where} key", key): _checked_value(f"{where}.{_name(key)}", value)
+            for key, value in table.items()}
+
+
+def _checked_value(where: str, value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return _checked_int(where, value)
+    if isinstance(value, float):
+        return _checked_float(where, value)
+    if isinstance(value, str):
+        return _checked_str(where, value)
+    if isinstance(value, list):
+        return [_checked_value(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return _checked_table(where, value)
+    raise SpecError(f"{where} = {show(value)} is a {type(value).__name__}; arguments may be "
+                    "strings, numbers, booleans, and arrays or tables of them.")
 
 
 def _checked_int(where: str, value: int) -> int:
@@ -220,4 +250,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         # A JSON string is a valid TOML basic string, except that TOML also forbids a raw DEL.
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

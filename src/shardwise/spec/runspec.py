@@ -25,7 +25,8 @@ SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-MODEL_FAMILIES = ("gpt",)
+_PY_FAMILY = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")
+_REGISTERED_FAMILY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 RUN_NAME_MAX = 100
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -63,9 +64,14 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Model family and shape. The vocabulary comes from the tokenizer (`data.vocab_size`)."""
+    """Model family and shape. The vocabulary comes from the tokenizer (`data.vocab_size`).
+
+    `family`: "gpt" (the built-in, shaped by the fields below), "py:FILE.py:FUNCTION" (a user
+    builder, given `args`), or a name an installed package registers. The GPT fields are unused
+    by other families."""
 
     family: str = "gpt"
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a user builder
     n_layers: int = 4
     d_model: int = 192
     n_heads: int = 6
@@ -77,7 +83,14 @@ class ModelSection:
     init_std: float = 0.02
 
     def validate(self) -> None:
-        _choice("model.family", self.family, MODEL_FAMILIES)
+        if self.family != "gpt":
+            self._validate_user_family()
+            return
+        if self.args:
+            raise SpecError(
+                f"model.args = {show(self.args)} is for user builders (model.family = "
+                "\"py:FILE.py:FUNCTION\"); the built-in GPT is shaped by model.n_layers, "
+                "model.d_model, model.n_heads, ... Remove model.args, or change model.family.")
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads"):
             _positive(f"model.{name}", getattr(self, name))
         _at_least("model.ffn_hidden", self.ffn_hidden, 0)
@@ -102,6 +115,19 @@ class ModelSection:
         _positive("model.rope_theta", self.rope_theta)
         _positive("model.norm_eps", self.norm_eps)
         _positive("model.init_std", self.init_std)
+
+    def _validate_user_family(self) -> None:
+        if self.family.startswith("py:"):
+            if not _PY_FAMILY.fullmatch(self.family):
+                raise SpecError(
+                    f"model.family = {show(self.family)} is not of the form "
+                    "\"py:FILE.py:FUNCTION\" (for example \"py:models/mlp.py:build\"): a Python "
+                    "file and the name of its builder function build(args, vocab_size).")
+        elif not _REGISTERED_FAMILY.fullmatch(self.family):
+            raise SpecError(
+                f"model.family = {show(self.family)} is not a model family. Use \"gpt\" (the "
+                "built-in), \"py:FILE.py:FUNCTION\" (your own nn.Module), or the name an "
+                "installed package registers.")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.data.prepare import cache_root
-from shardwise.parallel.parallelize import unwrap
 from shardwise.telemetry.bubble import StageClock, theoretical_bubble
 from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_blocks, utilization
 from shardwise.telemetry.memory import ActivationSampler, device_memory
@@ -26,10 +25,8 @@ if TYPE_CHECKING:
     from shardwise.run.trainer import Trainer
 
 def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
-    """The model family's FLOP facts (None for a family that does not report them)."""
-    model = unwrap(trainer.model.parts[0])
-    counts = getattr(model, "flop_counts", None)
-    return counts() if callable(counts) else None
+    """The model's FLOP facts, from its plan (None for a model that does not state them)."""
+    return trainer.model.plan.flop_counts
 
 
 def _agreed_peak(local: Peak, rows: list[list[float]]) -> Peak:
