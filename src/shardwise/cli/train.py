@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--print-spec", action="store_true",
                    help="print the resolved spec as TOML and exit without training")
+    p.add_argument("--print-plan", action="store_true",
+                   help="print where the layout puts every parameter (stages, tp and data-"
+                        "parallel sharding, FSDP units, tied groups) and exit without training")
     p.set_defaults(handler=run)
 
 
@@ -52,17 +55,17 @@ def run(args: argparse.Namespace) -> int:
 
         run_under_torchrun(spec, args.resume)
         return 0
-    return _launch(spec, args.resume, args.print_spec)
+    return _launch(spec, args.resume, args.print_spec, args.print_plan)
 
 
-def _launch(spec: RunSpec, resume: str | None, print_spec: bool) -> int:
+def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: bool) -> int:
     from shardwise.run import rundir
-    from shardwise.run.launch import WorkersFailed, preflight, run_local
+    from shardwise.run.launch import WorkersFailed, plan_preview, preflight, run_local
     from shardwise.spec import spec_to_toml
 
     spec, dims = preflight(spec)
-    if print_spec:
-        sys.stdout.write(spec_to_toml(spec))
+    if print_spec or print_plan:
+        sys.stdout.write(spec_to_toml(spec) if print_spec else plan_preview(spec, dims))
         return 0
     if resume:
         run_dir = rundir.existing_run_dir(resume)

@@ -120,6 +120,21 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     return with_data_hashes(spec, data), dims
 
 
+def plan_preview(spec: RunSpec, dims: ParallelDims) -> str:
+    """What `--print-plan` shows: every parameter's placement under `dims`, the pipeline stage
+    map, the FSDP units, the tied groups (the model built on the meta device; after `preflight`,
+    so the data is prepared and cached)."""
+    from shardwise.data import prepare_data
+    from shardwise.models.plan import plan_of
+    from shardwise.models.registry import build_model
+    from shardwise.parallel.placement import render
+
+    data = prepare_data(spec.data)
+    model = build_model(spec.model, data.vocab_size, spec.data.seq_len, seed=0, device="meta")
+    return render(model, plan_of(model), dims, spec.parallel.pp_virtual_stages,
+                  spec.parallel.pp_schedule)
+
+
 def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = False) -> None:
     """Train `spec` in RUN_DIR on `parallel.nproc` local workers (in this process when 1)."""
     if spec.parallel.nproc == 1:

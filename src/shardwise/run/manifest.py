@@ -78,10 +78,11 @@ def host_info(device: torch.device) -> dict[str, str]:
 
 def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
                    lineage: list[dict[str, Any]], data_path: str, content_sha256: str,
-                   tokenizer_sha256: str, telemetry: dict[str, Any] | None = None
-                   ) -> dict[str, Any]:
+                   tokenizer_sha256: str, telemetry: dict[str, Any] | None = None,
+                   model: dict[str, Any] | None = None) -> dict[str, Any]:
     """`telemetry`: the FLOPs formula, FLOPs per token and the peak FLOP/s (with its source) the
-    run's MFU is computed with (shardwise.telemetry.perf)."""
+    run's MFU is computed with (shardwise.telemetry.perf). `model`: where the model's code comes
+    from (a user file's SHA-256, or a package version) and its plan."""
     return {
         "format": FORMAT,
         "run_id": run_id,
@@ -92,6 +93,7 @@ def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
         "data": {"source": spec.data.source, "path": data_path,
                  "content_sha256": content_sha256, "tokenizer_sha256": tokenizer_sha256 or None},
         "code": code_version(),
+        "model": model,
         "environment": environment(),
         "topology": topology,
         "lineage": lineage,

@@ -25,7 +25,8 @@ from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedDa
 from shardwise.data.ledger import LedgerWriter
 from shardwise.errors import UserError
 from shardwise.models import build_model
-from shardwise.models.plan import plan_of
+from shardwise.models.plan import described, plan_of
+from shardwise.models.registry import model_source
 from shardwise.parallel.accounting import ModelStateMeter
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.devices import resolve_backend
@@ -364,7 +365,9 @@ class Trainer:
                                           lineage=self.lineage, data_path=data_path,
                                           content_sha256=self.data.content_hash,
                                           tokenizer_sha256=self.data.tokenizer_hash,
-                                          telemetry=perf.manifest_fields())
+                                          telemetry=perf.manifest_fields(),
+                                          model={"source": model_source(self.spec.model.family),
+                                                 "plan": described(self.model.plan)})
         atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))
 
     def _gathered_state(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+BUILTIN_FAMILIES = ("gpt",)
 _PY_FAMILY = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")
 _REGISTERED_FAMILY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 RUN_NAME_MAX = 100
