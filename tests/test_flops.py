@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import tiny_spec
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.plan import plan_of
 from shardwise.parallel.memory import apply_activation_checkpointing
 from shardwise.spec.runspec import BUILTIN_FAMILIES, MemorySection
 from shardwise.telemetry import peak as peak_mod
@@ -78,7 +79,7 @@ def test_hardware_flops_count_the_recomputed_forward(mode):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kwargs))
     memory = MemorySection(activation_checkpoint=mode, ac_every=2)
-    marked = apply_activation_checkpointing(model, memory)
+    marked = apply_activation_checkpointing(model, plan_of(model), memory)
     recomputed = recomputed_blocks(mode, 2, model.cfg.n_layers)
     assert recomputed == marked == (3 if mode == "full" else 2)
     counts = model.flop_counts()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -159,18 +160,15 @@ def test_plan_errors_name_what_to_change(tmp_path):
 
 
 def test_spec_checks_the_family_and_its_args():
-    from shardwise.spec import load_spec
+    from shardwise.spec import load_spec, spec_to_toml
+    from shardwise.spec.load import spec_from_dict
 
-    with pytest.raises(SpecError, match="py:FILE.py:FUNCTION"):
+    with pytest.raises(SpecError, match=r"py:FILE\.py:FUNCTION"):
         load_spec(None, ["model.family=py:nofunction"])
-    with pytest.raises(SpecError, match="model.args"):
+    with pytest.raises(SpecError, match=r"model\.args"):
         load_spec(None, ["model.args={width = 3}"])  # the GPT takes no args
     spec = load_spec(None, [f"model.family={TINY}", "model.args={width = 16, tied = true}"])
     assert spec.model.args == {"width": 16, "tied": True}
-    from shardwise.spec import spec_to_toml
-    from shardwise.spec.load import spec_from_dict
-    import tomllib
-
     assert spec_from_dict(tomllib.loads(spec_to_toml(spec))).model.args == spec.model.args
 
 

@@ -59,25 +59,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: bool) -> int:
-    from shardwise.run import rundir
-    from shardwise.run.launch import WorkersFailed, plan_preview, preflight, run_local
+    from shardwise.run.launch import WorkersFailed, plan_preview, preflight, start_run
     from shardwise.spec import spec_to_toml
 
     spec, dims = preflight(spec)
     if print_spec or print_plan:
         sys.stdout.write(spec_to_toml(spec) if print_spec else plan_preview(spec, dims))
         return 0
-    if resume:
-        run_dir = rundir.existing_run_dir(resume)
-        rundir.resume_checkpoint(run_dir, spec)  # fail here, before starting any worker
-    else:
-        run_dir = rundir.new_run_dir(spec)
-    rundir.write_spec(run_dir, spec)
-    nproc = spec.parallel.nproc
-    print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
-          f"{'s' if nproc > 1 else ''})", file=sys.stderr)
     try:
-        run_local(spec, run_dir, resume is not None)
+        run_dir = start_run(spec, dims, resume)
     except WorkersFailed as err:
         from shardwise.cli.main import print_error
 

@@ -135,6 +135,31 @@ def plan_preview(spec: RunSpec, dims: ParallelDims) -> str:
                   spec.parallel.pp_schedule)
 
 
+def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
+    """After `preflight`: the run directory (new, or the one resumed, checked before any worker
+    starts), the spec written into it, the workers run; returns the directory. Raises
+    WorkersFailed when they fail."""
+    from shardwise.run import rundir
+
+    if resume:
+        run_dir = rundir.existing_run_dir(resume)
+        rundir.resume_checkpoint(run_dir, spec)  # fail here, before starting any worker
+    else:
+        run_dir = rundir.new_run_dir(spec)
+    rundir.write_spec(run_dir, spec)
+    nproc = spec.parallel.nproc
+    print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
+          f"{'s' if nproc > 1 else ''})", file=sys.stderr)
+    run_local(spec, run_dir, resume is not None)
+    return run_dir
+
+
+def launch(spec: RunSpec, resume: str | None = None) -> Path:
+    """`preflight` and `start_run`: what `shardwise train` and `shardwise.train` do."""
+    spec, dims = preflight(spec)
+    return start_run(spec, dims, resume)
+
+
 def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = False) -> None:
     """Train `spec` in RUN_DIR on `parallel.nproc` local workers (in this process when 1)."""
     if spec.parallel.nproc == 1:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.data.loader import Batch
+from shardwise.models.plan import IGNORE_INDEX
 from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.resilience.faults import FaultInjector
@@ -78,22 +79,46 @@ class StepLog:
             return []
         sums = global_sums(self.pm, torch.stack([r.loss_sum for r in pending]))
         norms = torch.stack([r.norm.double() for r in pending])
-        values = torch.cat([sums, norms]).tolist()
+        counts = torch.stack([torch.as_tensor(r.tokens, dtype=torch.float64,
+                                              device=sums.device) for r in pending])
+        values = torch.cat([sums, norms, counts]).tolist()
         n = len(pending)
-        return [dataclasses.replace(r, loss=values[i] / r.tokens, grad_norm=values[n + i])
-                for i, r in enumerate(pending)]
+        return [dataclasses.replace(r, loss=values[i] / values[2 * n + i], grad_norm=values[n + i],
+                                    tokens=int(values[2 * n + i])) for i, r in enumerate(pending)]
+
+
+def real_targets(pm: ParallelModel, batches: Sequence[Batch]) -> torch.Tensor:
+    """The step's global count of real targets (those not IGNORE_INDEX), on the device: this
+    data-parallel rank's micro-batches counted and summed over dp (one all-reduce of one number;
+    tensor- and pipeline-parallel peers hold the same micro-batches)."""
+    count = torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
+    for _, targets in batches:
+        count += (targets != IGNORE_INDEX).sum()
+    group = pm.ctx.dp_group() if pm.ctx.distributed and pm.ctx.dims.dp > 1 else None
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count
 
 
 def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batch],
-               global_tokens: int, *, step: int, lr: float, grad_clip: float,
+               global_tokens: int | None, *, step: int, lr: float, grad_clip: float,
                scaler: LossScaler | None, faults: FaultInjector | None = None,
                on_phase: Callable[[str, int], None] | None = None) -> StepResult:
     """One optimizer step. `on_phase(phase, step)` is told when the optimizer phase starts (the
-    model's own phase hook reports forward and backward); without it, `faults` is."""
+    model's own phase hook reports forward and backward); without it, `faults` is.
+
+    The objective is the sum of per-target losses over the step's global count of real targets,
+    whatever the micro-batching: `global_tokens` when the data knows it (packed text: every
+    target is real), else counted here (targets equal to IGNORE_INDEX are padding)."""
     pm.train()
     optimizers.set_lr(lr)
     scale = scaler.scale if scaler else 1.0
-    local_sum = pm.forward_backward(batches, scale / global_tokens)
+    if global_tokens is None:
+        global_tokens = real_targets(pm, batches)
+        loss_scale = (scale / global_tokens).float()  # fp32, as a Python scale would act
+    else:
+        loss_scale = scale / global_tokens
+    local_sum = pm.forward_backward(batches, loss_scale)
     _reduce_partial_grads(pm)
     if faults is not None:
         faults.after_backward(step + 1, pm.parameters())
