@@ -78,8 +78,10 @@ def test_defaults_load_and_validate():
         hints = typing.get_type_hints(type(values))
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
-            assert value == f.default, f"{section.name}.{f.name}"
-            assert type(value) is hints[f.name], f"{section.name}.{f.name}"
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            assert value == default, f"{section.name}.{f.name}"
+            want = typing.get_origin(hints[f.name]) or hints[f.name]
+            assert type(value) is want, f"{section.name}.{f.name}"
     # the defaults whose meaning other code relies on (tunable numbers are not pinned here)
     assert spec.run.stop_at == 0
     assert spec.run.dir == ""
@@ -491,13 +493,15 @@ def test_cli_subprocess_run_name_that_is_a_path_exits_2(tmp_path):
 # --- layouts refused up front (hybrid parallelism) ------------------------------------------------
 @pytest.mark.parametrize(("nproc", "sets", "needles"), [
     ("3", ["parallel.tp=3", "model.tie_embeddings=false"],
-     ["tp = 3 does not divide model.n_heads = 4", "nearest tp that does is 4"]),
+     ["tp = 3 does not divide the attention heads (n_heads) = 4", "nearest tp that does is 4"]),
     ("2", ["parallel.tp=2", "parallel.sequence_parallel=true", "model.tie_embeddings=false",
            "data.seq_len=31"],
      ["data.seq_len = 31 is not a multiple of 2", "sequence_parallel = false"]),
-    ("2", ["parallel.tp=2"], ["model.tie_embeddings = false"]),
+    ("2", ["parallel.tp=2",
+           f"model.family=\"py:{Path(__file__).parent / 'models' / 'bag_lm.py'}:build\""],
+     ["declares no tensor-parallel plan", "Use tp = 1"]),
     ("4", ["parallel.pp=4", "model.tie_embeddings=false", "batch.global_batch=16"],
-     ["4 pipeline stages", "model.n_layers = 2", "pp <= 2"]),
+     ["4 pipeline stages", "the model has 2 blocks", "pp <= 2"]),
     ("2", ["parallel.pp=2", "model.tie_embeddings=false", "batch.global_batch=2"],
      ["1f1b schedule needs at least pp = 2 micro-batches", "global_batch to 4"]),
     ("2", ["parallel.pp=2", "model.tie_embeddings=false", "parallel.pp_schedule=\"zero-bubble\""],

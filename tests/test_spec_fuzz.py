@@ -32,8 +32,12 @@ FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 MAX_MESSAGE = 1000  # characters: a paragraph, not a dump of the input
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 FIELDS: dict[str, dict[str, Any]] = {
-    s.name: {f.name: f.default for f in dataclasses.fields(typing.get_type_hints(RunSpec)[s.name])}
+    s.name: {f.name: _default(f) for f in dataclasses.fields(typing.get_type_hints(RunSpec)[s.name])}
     for s in dataclasses.fields(RunSpec)
 }
 PY_ATTRS = ["__class__", "__init__", "__dict__", "__module__", "mro", "replace", "validate",
