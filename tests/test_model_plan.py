@@ -213,3 +213,30 @@ def test_python_api_trains_a_builder_function_on_two_workers(small_corpus, tmp_p
     assert source["sha256"] == hashlib.sha256((MODELS / "bag_lm.py").read_bytes()).hexdigest()
     assert manifest["topology"]["world_size"] == 2
     assert manifest["model"]["plan"]["tp"] == {}
+
+
+def test_print_plan_shows_placements_stages_units_and_tied_groups(small_corpus, tmp_path):
+    def plan(*sets: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-m", "shardwise", "train", "--print-plan",
+                "--set", f"data.source={small_corpus}", "--set", "data.vocab_size=512"]
+        for s in sets:
+            args += ["--set", s]
+        return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    proc = plan(f"model.family={TINY}", "model.args={width = 32, depth = 3, tied = true}",
+                "parallel.tp=2", "parallel.pp=2", "parallel.dp_shard=1", "parallel.nproc=4")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "stage 0 on pp rank 0: blocks 0..1 + embed" in out
+    assert "stage 1 on pp rank 1: blocks 2..2 + ln_f, head" in out
+    assert "embed.weight = head.weight" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if "." in line.split()[0]}
+    assert rows["blocks.0.attn.q.weight"][3:5] == ["Shard(0)", "16x32"]
+    assert rows["blocks.2.mlp.out.weight"][2:5] == ["1", "Shard(1)", "32x48"]
+    assert rows["blocks.2.mlp.out.bias"][3] == "Replicate"
+    proc = plan(f"model.family={TINY}", "model.args={width = 32, depth = 2}", "parallel.nproc=2")
+    assert "FSDP units (3): blocks.0, blocks.1, (root: everything else)" in proc.stdout
+    assert "Shard(0) over dp_shard=2" in proc.stdout
+    bad = plan(f"model.family={TINY}", "model.args={width = 30}", "parallel.tp=4",
+               "parallel.dp_shard=1", "parallel.nproc=4")
+    assert bad.returncode == 2 and "does not divide" in bad.stderr, bad.stderr
