@@ -86,6 +86,7 @@ def test_same_entry_point_under_torchrun(small_corpus, tmp_path):
     assert start["world_size"] == 2 and start["layout"] == "zero3-2"
 
 
+@pytest.mark.grid  # tp x pp and FSDP x tp through `verify` run by default (test_verify.py)
 def test_hybrid_layout_through_the_cli(small_corpus, tmp_path):
     """zero3-2 x tp2 without sequence parallel, and tp2 x pp2, on 4 workers through the real CLI:
     per-step losses, held-out loss and the exported final parameters equal the single-process

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from conftest import tiny_spec
+from conftest import grid, tiny_spec
 from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
@@ -51,7 +51,8 @@ def reference(small_corpus, tmp_path_factory):
     return run(spec, world)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "dp1"])
+@pytest.mark.parametrize("layout", grid([name for name in LAYOUTS if name != "dp1"],
+                                        default=("ddp2", "zero1-2", "zero3-2", "hsdp-2x2")))
 def test_layouts_are_bitwise_identical(layout, reference, small_corpus, tmp_path):
     spec, world = spec_for(small_corpus, tmp_path / "run", layout)
     result = run(spec, world)

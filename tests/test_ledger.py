@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from conftest import tiny_spec
 from shardwise.cli.main import main
@@ -110,6 +111,7 @@ def test_audit_checks_replicas_batch_size_and_declared_skips(tmp_path):
     assert any("declared skipped by a rollback but trained on" in p for p in problems), problems
 
 
+@pytest.mark.grid  # the same audit runs by default through `verify` on tp/pp (test_verify.py)
 def test_tp_and_pp_peers_record_once_per_replica(small_corpus, tmp_path):
     """tp and pp ranks of one data-parallel replica read the same samples: one record each step
     (measured before: every rank wrote, and the audit reported each sample used twice)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_spec
+from conftest import grid, tiny_spec
 from shardwise.utils.local_ranks import run_ranks
 from workers import train, train_single
 
@@ -63,7 +63,7 @@ def assert_params_close(got: dict, want: dict, rtol: float) -> None:
             f"(max |diff| {(got[name] - want[name]).abs().max().item():.3e})")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", grid(LAYOUTS, default=("ddp2", "fsdp2", "hsdp2x2")))
 def test_layout_matches_single_process(layout, reference, small_corpus, tmp_path):
     world, parallel = LAYOUTS[layout]
     spec = tiny_spec(small_corpus, tmp_path / "run", parallel={**parallel, "nproc": world})

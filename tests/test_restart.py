@@ -47,8 +47,7 @@ def reference(small_corpus, tmp_path_factory):
 
 
 # the default test command kills once in each phase; `pytest -m grid` runs all twelve
-DEFAULT_KILLS = {(1, 2, "backward"), (0, 2, "checkpoint-write"), (1, 3, "data"),
-                 (1, 4, "forward"), (1, 5, "optimizer")}
+DEFAULT_KILLS = {(1, 2, "backward"), (0, 2, "checkpoint-write")}  # the other 10 under `grid`
 
 
 @pytest.mark.timeout(240)

@@ -71,7 +71,8 @@ def test_restart_under_the_elastic_launcher(every, kill_step, resumed_from, smal
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("every", "kill_step", "resumed_from"),
-                         [CASES[0], pytest.param(2, 3, 2, id="after-a-checkpoint")])
+                         [CASES[0], pytest.param(2, 3, 2, id="after-a-checkpoint",
+                                                 marks=pytest.mark.grid)])
 def test_restart_under_torchrun_without_a_run_dir(every, kill_step, resumed_from, small_corpus,
                                                   tmp_path):
     """No run.dir: the first attempt picks runs/<name>-<time> and records it in torchrun's store;

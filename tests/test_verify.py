@@ -48,6 +48,7 @@ def _verify(small_corpus, tmp_path, *args):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.grid  # bitwise invariance itself runs by default in test_invariant.py
 def test_invariant_layouts_and_restart_pass_bitwise(small_corpus, tmp_path):
     proc = _verify(small_corpus, tmp_path, "--layouts", "dp1,zero3-2", "--steps", "4",
                    "--restart-at", "2", "--resume-layout", "ddp2",

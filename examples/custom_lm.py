@@ -1,9 +1,15 @@
-"""A user language model that is not shardwise's GPT: LayerNorm with biases, causal attention
-with biased projections and no positional encoding, a GELU MLP in a ModuleDict, blocks in an
-nn.ModuleList, optional tied embeddings — and a plan for tensor and pipeline parallel.
+"""Bring your own model: a small language model that is not shardwise's GPT, and its plan.
 
-Its forward skips the modules a pipeline stage does not hold (set to None), as the plan's
-contract asks.
+    shardwise train examples/custom_lm.toml          # from the repository root
+
+What shardwise needs from a model is a plain nn.Module plus a `shardwise_plan()` (see
+`shardwise.models.plan`): which modules are the repeated blocks, how tensor parallel splits
+them, and where a pipeline stage is cut. This one has LayerNorm with biases, causal attention
+with biased projections (no key bias: its gradient is zero in exact arithmetic) and no
+positional encoding, a GELU MLP in a ModuleDict, blocks in an nn.ModuleList, and optionally tied
+input/output embeddings. Its forward skips the modules a pipeline stage does not hold (set to
+None), as the plan's contract asks. The tests train it under every layout its plan allows
+(tests/test_model_plan.py).
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         if tied:
             self.head.weight = self.embed.weight
+        # GPT-2's scale: PyTorch's N(0, 1) embedding would start a tied head at logits of std
+        # sqrt(width), a loss of ~30 nats instead of log(vocab)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        if not tied:
+            nn.init.normal_(self.head.weight, std=0.02)
         unique = {id(p): p for p in self.parameters()}.values()
         self.shape = ModelShape(params=sum(p.numel() for p in unique), layers=depth,
                                 hidden=width, heads=heads, vocab=vocab)
