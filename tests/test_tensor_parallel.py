@@ -165,8 +165,11 @@ def test_activation_checkpointing_under_sequence_parallel(reference, small_corpu
                                rtol=1e-5, atol=0)
 
 
+# bf16 under FSDP x TP at world 4 runs under `grid` (the default suite checks bf16 tp2 here and in
+# test_precision_policy.py)
 @pytest.mark.parametrize(("world", "dp_shard", "sequence_parallel"),
-                         [(2, 1, True), (2, 1, False), (4, 2, False)])
+                         [(2, 1, True), (2, 1, False),
+                          pytest.param(4, 2, False, marks=pytest.mark.grid)])
 def test_bf16_tensor_parallel_tracks_bf16_single(world, dp_shard, sequence_parallel, small_corpus,
                                                  tmp_path):
     """Autocast to bf16 on local shards: the same policy as the single process (one extra bf16
