@@ -22,11 +22,12 @@ from shardwise.errors import UserError
 from shardwise.models import build_model
 from shardwise.models.plan import plan_of
 from shardwise.models.registry import model_source
-from shardwise.run import rundir
+from shardwise.spec.runspec import RunSpec
 
 
-def export_safetensors(checkpoint: Path, out_dir: Path) -> Path:
-    """Write out_dir/model.safetensors (+ config.json, tokenizer.json); returns the model file."""
+def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) -> Path:
+    """Write out_dir/model.safetensors (+ config.json, tokenizer.json); returns the model file.
+    `spec`: the run's spec (what `shardwise.run.rundir.load_run_spec` reads from its directory)."""
     from safetensors.torch import save_file
 
     if not (checkpoint / META).is_file():
@@ -36,8 +37,9 @@ def export_safetensors(checkpoint: Path, out_dir: Path) -> Path:
     if not verdict.valid:
         raise UserError(f"{checkpoint} does not verify: {'; '.join(verdict.problems)}. Export an "
                         "earlier checkpoint instead.")
-    run_dir = checkpoint.parent.parent
-    spec = rundir.load_run_spec(run_dir, [])
+    if spec is None:
+        raise UserError(f"{checkpoint} has no run spec beside it ({checkpoint.parent.parent} "
+                        "should hold spec.toml). Export a checkpoint inside its run directory.")
     from shardwise.data import prepare_data
 
     data = prepare_data(spec.data)

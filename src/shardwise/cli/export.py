@@ -27,6 +27,11 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint).expanduser()
     out = Path(args.out).expanduser() if args.out else \
         checkpoint.parent.parent / "export" / checkpoint.name
-    model_file = export_safetensors(checkpoint, out)
+    from shardwise.checkpoint.integrity import META
+    from shardwise.run import rundir
+
+    spec = rundir.load_run_spec(checkpoint.parent.parent, []) \
+        if (checkpoint / META).is_file() else None  # export names what is missing otherwise
+    model_file = export_safetensors(checkpoint, out, spec)
     print(f"wrote {model_file} ({model_file.stat().st_size:,} bytes), {out / 'config.json'}")
     return 0

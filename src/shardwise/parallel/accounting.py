@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardwise.parallel.parallelize import ParallelModel, local_bytes
 
-if TYPE_CHECKING:
-    from shardwise.run.optim import Optimizers
+
+class Optimizers(Protocol):
+    """What the meter reads of the run's optimizers (shardwise.run.optim.Optimizers)."""
+
+    def state_tensors(self) -> list: ...
 
 
 class ModelStateMeter:

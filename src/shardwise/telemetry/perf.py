@@ -10,7 +10,7 @@ on every rank).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,10 @@ from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_bloc
 from shardwise.telemetry.memory import ActivationSampler, device_memory
 from shardwise.telemetry.peak import Peak, resolve_peak
 
-if TYPE_CHECKING:
-    from shardwise.run.step import StepResult
-    from shardwise.run.trainer import Trainer
+# The trainer and its step result (shardwise.run.trainer / run.step) are passed in and read by
+# attribute; telemetry sits below run/ and does not import it.
+Trainer = Any
+StepResult = Any
 
 def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
     """The model's FLOP facts, from its plan (None for a model that does not state them)."""
