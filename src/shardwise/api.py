@@ -11,7 +11,8 @@
 Under torchrun every rank runs the script and `train` joins the launcher's world; otherwise it
 starts `parallel.nproc` local workers as the CLI does. A builder function given as `model` is
 recorded as `model.family = "py:FILE:NAME"` (so the spec, the manifest and a resume name it);
-`model_args` fills `model.args`.
+`model_args` fills `model.args`. Likewise a dataset function `data(args) -> SampleData` becomes
+`data.source = "py:FILE:NAME"`, with `data_args` in `data.args`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from shardwise.spec.runspec import RunSpec
 
 
 def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any] | None = None,
-          model_args: Mapping[str, Any] | None = None, overrides: Iterable[str] = (),
+          model_args: Mapping[str, Any] | None = None, data: Callable[..., Any] | None = None,
+          data_args: Mapping[str, Any] | None = None, overrides: Iterable[str] = (),
           resume: str | Path | None = None) -> Path:
     """Train; returns the run directory. `spec`: a RunSpec, a TOML path, or None (defaults)."""
     from shardwise.parallel.distributed import under_launcher
@@ -45,10 +47,15 @@ def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any]
     else:
         resolved = load_spec(spec, overrides)
     if model is not None:
-        resolved = resolved.replace("model", family=family_of(model),
+        resolved = resolved.replace("model", family=family_of(model, "model"),
                                     args=dict(model_args or resolved.model.args))
     elif model_args is not None:
         resolved = resolved.replace("model", args=dict(model_args))
+    if data is not None:
+        resolved = resolved.replace("data", source=family_of(data, "data"),
+                                    args=dict(data_args or resolved.data.args))
+    elif data_args is not None:
+        resolved = resolved.replace("data", args=dict(data_args))
     resolved = resolved.validate()
     if under_launcher():
         from shardwise.run.worker import run_under_torchrun
@@ -60,13 +67,13 @@ def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any]
     return launch(resolved, None if resume is None else str(resume))
 
 
-def family_of(builder: Callable[..., Any]) -> str:
-    """`py:FILE:NAME` for a builder defined at the top level of a Python file."""
+def family_of(builder: Callable[..., Any], argument: str = "model") -> str:
+    """`py:FILE:NAME` for a function defined at the top level of a Python file."""
     name = getattr(builder, "__qualname__", "")
     file = inspect.getsourcefile(builder) if callable(builder) else None
     if not file or not name or "." in name or "<" in name:
         raise UserError(
-            f"model={builder!r}: the builder must be a function defined at the top level of a "
+            f"{argument}={builder!r}: the function must be defined at the top level of a "
             "Python file (not a lambda, a method or a nested function), so that every worker "
             "can import it by file and name.")
     return f"py:{Path(file).resolve()}:{name}"

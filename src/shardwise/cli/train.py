@@ -88,10 +88,11 @@ def _print_summary(run_dir: Path) -> None:
                 end = event
     if end is None:
         return
+    from shardwise.telemetry.progress import held_out_text
+
     lines = [f"finished step {end['step']} in {end['wall_s']:.1f} s"]
     if end.get("val_loss") is not None:
-        lines.append(f"held-out loss {end['val_loss']:.4f} vs unigram baseline "
-                     f"{end['unigram_loss']:.4f}")
+        lines.append(held_out_text(end))
     if end.get("sample"):
         lines.append("sample:\n" + end["sample"])
     lines.append(f"outputs: {run_dir}/ (spec.toml, metrics.jsonl, tb/, checkpoints/, trace/); "

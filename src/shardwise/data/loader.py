@@ -14,9 +14,11 @@ import numpy as np
 import torch
 
 from shardwise.data.sampler import BatchLayout, GlobalSampler, PackedSequences
+from shardwise.data.samples import CollatedSamples
 from shardwise.errors import UserError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Split = PackedSequences | CollatedSamples  # `batch(ids)`, `len()`, `targets_per_sample`
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -30,7 +32,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class TrainBatches:
     """Stateful: `state_dict()` is the data position (global samples consumed)."""
 
-    def __init__(self, sequences: PackedSequences, seed: int, layout: BatchLayout,
+    def __init__(self, sequences: Split, seed: int, layout: BatchLayout,
                  dp_rank: int, device: torch.device) -> None:
         self.sequences = sequences
         self.sampler = GlobalSampler(len(sequences), seed)
@@ -59,15 +61,17 @@ class TrainBatches:
         self._jump_skips()
         return self.layout.rank_indices(self.consumed_samples, self.dp_rank)
 
-    def next_step(self) -> tuple[list[Batch], int]:
-        """This rank's micro-batches for the next step, and the step's global target-token count.
+    def next_step(self) -> tuple[list[Batch], int | None]:
+        """This rank's micro-batches for the next step, and the step's global target count when
+        the data knows it without looking (None: the step counts its real targets).
 
         Every token of a packed sequence is a target, so the global count is B·T; it is computed
         here, not communicated, because every rank knows the whole step's samples.
         """
         batches = [self._load(idx) for idx in self.step_indices()]  # (jumps skipped ranges)
         self.consumed_samples += self.layout.global_batch
-        return batches, self.layout.global_batch * self.sequences.seq_len
+        per_sample = self.sequences.targets_per_sample
+        return batches, None if per_sample is None else self.layout.global_batch * per_sample
 
     def _load(self, global_indices: np.ndarray) -> Batch:
         x, y = self.sequences.batch(self.sampler.sequence_ids(global_indices))
@@ -99,7 +103,7 @@ class EvalBatches:
     its first one, marked as padding, so it is not counted.
     """
 
-    def __init__(self, sequences: PackedSequences, layout: BatchLayout, batches: int,
+    def __init__(self, sequences: Split, layout: BatchLayout, batches: int,
                  dp_rank: int, device: torch.device) -> None:
         self.num = min(batches * layout.global_batch, len(sequences))
         if self.num == 0:
@@ -113,10 +117,6 @@ class EvalBatches:
         self.dp = layout.dp
         self.dp_rank = dp_rank
         self.device = device
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num * self.sequences.seq_len
 
     def _micro_batches(self) -> list[np.ndarray]:
         return [np.arange(start, min(start + self.micro_batch, self.num))
@@ -132,4 +132,4 @@ class EvalBatches:
             real = i < len(mine)
             idx = mine[i] if real else (mine[0] if mine else all_batches[0])
             x, y = self.sequences.batch(idx)
-            yield (x.to(self.device), y.to(self.device)), real
+            yield (to_device(x, self.device), to_device(y, self.device)), real

@@ -16,6 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from shardwise.data.corpus import is_token_file, load_text_corpus
+from shardwise.data.sampler import PackedSequences
+from shardwise.data.samples import (
+    CollatedSamples,
+    SampleData,
+    class_prior_loss,
+    fingerprint,
+    load_sample_data,
+)
 from shardwise.data.tokenizer import EOS, load_or_train
 from shardwise.errors import UserError
 from shardwise.spec.runspec import DataSection
@@ -24,18 +32,30 @@ from shardwise.utils.files import atomic_write, atomic_write_text
 
 @dataclass(frozen=True)
 class PreparedData:
-    train: np.ndarray  # 1-D token ids
+    """Token text (`train`/`val` token arrays, packed into sequences of seq_len + 1) or a user's
+    samples (`samples`); the loaders read either through `split(...)`."""
+
+    train: np.ndarray  # 1-D token ids (empty for samples)
     val: np.ndarray
-    vocab_size: int
+    vocab_size: int  # the model's output size: the tokenizer's vocabulary, or num_classes
     content_hash: str
-    tokenizer_hash: str  # "" for a token-id source
+    tokenizer_hash: str  # "" for a token-id source and for samples
     tokenizer_path: Path | None
-    unigram_val_loss: float  # cross-entropy (nats) of val tokens under train token frequencies
+    # cross entropy (nats) of the held-out targets under the training targets' frequencies
+    # (tokens, or classes); None where it does not apply (samples that are not classes)
+    unigram_val_loss: float | None
+    samples: SampleData | None = None
 
     def tokenizer(self):
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(self.tokenizer_path)) if self.tokenizer_path else None
+
+    def split(self, name: str, seq_len: int) -> PackedSequences | CollatedSamples:
+        """The "train" or "val" split as the loaders read it."""
+        if self.samples is not None:
+            return CollatedSamples(getattr(self.samples, name), self.samples.collate, name)
+        return PackedSequences(self.train if name == "train" else self.val, seq_len)
 
 
 def cache_root(data: DataSection) -> Path:
@@ -44,7 +64,10 @@ def cache_root(data: DataSection) -> Path:
 
 
 def prepare_data(data: DataSection) -> PreparedData:
-    """Load or build the token arrays for `data`; check hashes pinned in the spec."""
+    """Load or build the token arrays for `data` (or load its samples); check hashes pinned in
+    the spec."""
+    if data.is_samples:
+        return _samples(data)
     if is_token_file(data.source):
         tokens, content_hash, tok_hash, tok_path = _token_file(data)
         vocab = data.vocab_size
@@ -79,6 +102,15 @@ def prepare_data(data: DataSection) -> PreparedData:
             )
     unigram = _unigram_loss(train, val, vocab)
     return PreparedData(train, val, vocab, content_hash, tok_hash, tok_path, unigram)
+
+
+def _samples(data: DataSection) -> PreparedData:
+    samples = load_sample_data(data.source, data.args)
+    content_hash = fingerprint(samples)
+    _check_pinned("data.content_hash", data.content_hash, content_hash)
+    empty = np.zeros(0, dtype=np.int64)
+    return PreparedData(empty, empty, samples.num_classes, content_hash, "", None,
+                        class_prior_loss(samples), samples)
 
 
 def _token_file(data: DataSection) -> tuple[np.ndarray, str, str, None]:

@@ -92,6 +92,10 @@ class PackedSequences:
     def __len__(self) -> int:
         return self.num_sequences
 
+    @property
+    def targets_per_sample(self) -> int:
+        return self.seq_len  # every token of a packed sequence is a real target
+
     def batch(self, sequence_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (len(ids), seq_len) int64; targets are inputs shifted by one."""
         t = self.seq_len

@@ -43,8 +43,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.utils.constants import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "TP_STYLES", "LossFn", "ModelPlan", "ModelShape", "PlanError", "Stages",
+           "attach_plan", "described", "find_tied", "plan_of", "unique_params"]
+
 TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence", "full_input")
-IGNORE_INDEX = -100  # targets that count for nothing (padding): torch's cross-entropy default
 _ATTR = "_shardwise_plan"
 
 

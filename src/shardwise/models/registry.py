@@ -4,28 +4,31 @@ an installed package registers (entry point group `shardwise.models`).
 A user builder is `build(args: dict, vocab_size: int) -> nn.Module` (or `(module, plan)`): `args`
 is the spec's `model.args` table, `vocab_size` the tokenizer's (0 for non-text data). It runs on
 every rank with the torch RNG seeded from `run.seed`, so every rank starts from the same weights.
+
+`build_deferred` runs the same builder on the meta device and records its init
+(`shardwise.models.deferred`), so each rank later materialises only the tensors it keeps.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise.errors import UserError
+from shardwise.models.deferred import CannotDefer, InitRecord, record_build
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.plan import ModelPlan, PlanError, attach_plan, plan_of
 from shardwise.spec.runspec import ModelSection
+from shardwise.utils.pyfile import file_sha256, load_function
 
 ENTRY_POINTS = "shardwise.models"
+EXAMPLE = "py:models/mlp.py:build"
 Builder = Callable[..., Any]
 
 
@@ -35,9 +38,35 @@ def build_model(model: ModelSection, vocab_size: int, seq_len: int, seed: int,
     (on `device`; "meta" builds the structure without memory, to read its plan)."""
     with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
         torch.manual_seed(seed)
-        if model.family == "gpt":
-            return GPT(GPTConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len))
-        return _build_user(model, vocab_size)
+        return _construct(model, vocab_size, seq_len)
+
+
+def _construct(model: ModelSection, vocab_size: int, seq_len: int) -> nn.Module:
+    if model.family == "gpt":
+        return GPT(GPTConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len))
+    return _build_user(model, vocab_size)
+
+
+def build_deferred(model: ModelSection, vocab_size: int, seq_len: int,
+                   seed: int) -> tuple[nn.Module, InitRecord]:
+    """The model on the meta device and the record of its init (`model.init = "meta"`): the
+    same values as `build_model` once materialised. A build that cannot be recorded faithfully
+    is built eagerly instead; the record then says why (`record.fallback`). With
+    `model.init = "eager"`, `build_model`'s model and a record that defers nothing."""
+    if model.init == "eager":
+        return build_model(model, vocab_size, seq_len, seed), InitRecord.eager()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            built, record = record_build(lambda: _construct(model, vocab_size, seq_len))
+        if record.deferred:
+            return built, record
+        reason = ""
+    except CannotDefer as err:
+        reason = str(err)
+    except Exception as err:  # the eager build says whether this is the builder's own error
+        reason = f"{type(err).__name__} on the meta device: {err}"
+    return build_model(model, vocab_size, seq_len, seed), InitRecord.eager(reason or "")
 
 
 def describe_model(model: ModelSection, vocab_size: int, seq_len: int) -> ModelPlan:
@@ -71,12 +100,7 @@ def _build_user(model: ModelSection, vocab_size: int) -> nn.Module:
 def load_builder(family: str) -> Builder:
     """The builder function `family` names (`py:FILE:FUNCTION` or a registered name)."""
     if family.startswith("py:"):
-        path, function = _split_py(family)
-        module = _import_file(path, family)
-        builder = getattr(module, function, None)
-        if not callable(builder):
-            raise UserError(f"model.family = {family!r}: {path} defines no function "
-                            f"{function!r}. Name a function build(args, vocab_size) in that file.")
+        builder = load_function(family, "model.family", EXAMPLE, "build(args, vocab_size)")
     else:
         found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)
                  if ep.name == family]
@@ -100,41 +124,8 @@ def model_source(family: str) -> dict[str, str]:
 
         return {"family": family, "shardwise": __version__}
     if family.startswith("py:"):
-        path, _ = _split_py(family)
-        return {"family": family, "file": str(path),
-                "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        return {"family": family, **file_sha256(family, "model.family", EXAMPLE)}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
         if ep.name == family and ep.dist is not None:
             return {"family": family, "package": ep.dist.name, "version": ep.dist.version}
     return {"family": family}
-
-
-def _split_py(family: str) -> tuple[Path, str]:
-    body = family[len("py:"):]
-    path, sep, function = body.rpartition(":")
-    if not sep or not path or not function:
-        raise UserError(f"model.family = {family!r} is not of the form \"py:FILE:FUNCTION\", e.g. "
-                        "\"py:models/mlp.py:build\".")
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UserError(f"model.family = {family!r}: {file} does not exist (paths are relative "
-                        "to the directory you run shardwise in). Give the path of a .py file.")
-    return file.resolve(), function
-
-
-def _import_file(path: Path, family: str) -> Any:
-    name = "shardwise_user_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise UserError(f"model.family = {family!r}: {path} cannot be imported as Python.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # the user's file: report any failure as theirs, with its cause
-        del sys.modules[name]
-        raise UserError(f"model.family = {family!r}: importing {path} failed with "
-                        f"{type(err).__name__}: {err}.") from None
-    return module

@@ -162,13 +162,14 @@ class ParallelModel:
         return self.token_loss_sum(output, target) * self._loss_scale
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The sum of per-target losses of one micro-batch (the plan's loss, or next-token
-        cross entropy in fp32); targets equal to the ignore index count nothing."""
+        """The sum of per-target losses of one micro-batch (the plan's loss, or cross entropy in
+        fp32 over the last dimension: next-token logits (B, T, V), class logits (B, C));
+        targets equal to the ignore index count nothing."""
         if self.plan.loss is not None:
             return self.plan.loss(logits, targets)
         if isinstance(logits, DTensor):  # vocabulary-sharded (loss parallel)
             return vocab_parallel_loss_sum(logits, targets)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The precision policy's forward context, the same on every layout (parallel/precision)."""

@@ -79,10 +79,12 @@ def host_info(device: torch.device) -> dict[str, str]:
 def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
                    lineage: list[dict[str, Any]], data_path: str, content_sha256: str,
                    tokenizer_sha256: str, telemetry: dict[str, Any] | None = None,
-                   model: dict[str, Any] | None = None) -> dict[str, Any]:
+                   model: dict[str, Any] | None = None,
+                   data_code: dict[str, str] | None = None) -> dict[str, Any]:
     """`telemetry`: the FLOPs formula, FLOPs per token and the peak FLOP/s (with its source) the
     run's MFU is computed with (shardwise.telemetry.perf). `model`: where the model's code comes
-    from (a user file's SHA-256, or a package version) and its plan."""
+    from (a user file's SHA-256, or a package version) and its plan. `data_code`: the file and
+    SHA-256 of a `py:` dataset function."""
     return {
         "format": FORMAT,
         "run_id": run_id,
@@ -91,7 +93,8 @@ def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
         "seed": spec.run.seed,
         "precision": spec.run.precision,
         "data": {"source": spec.data.source, "path": data_path,
-                 "content_sha256": content_sha256, "tokenizer_sha256": tokenizer_sha256 or None},
+                 "content_sha256": content_sha256, "tokenizer_sha256": tokenizer_sha256 or None,
+                 **({"code": data_code} if data_code else {})},
         "code": code_version(),
         "model": model,
         "environment": environment(),

@@ -46,12 +46,12 @@ class StepResult:
         return self.loss is not None
 
 
-def counted_loss(pm: ParallelModel, local: torch.Tensor) -> torch.Tensor:
-    """This rank's contribution to the global loss sum: the last pipeline stage holds the loss
-    and every tp rank holds the same one, so only tp rank 0 of the last stage contributes."""
+def counted(pm: ParallelModel, local: torch.Tensor) -> torch.Tensor:
+    """This rank's contribution to a global sum of loss figures: the last pipeline stage holds
+    the loss and every tp rank holds the same one, so only tp rank 0 of the last stage counts."""
     if pm.holds_last_stage and pm.tp_rank == 0:
-        return local.detach().double().reshape(())
-    return torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
+        return local.detach().double()
+    return torch.zeros(local.shape, dtype=torch.float64, device=pm.ctx.device)
 
 
 def global_sums(pm: ParallelModel, values: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         optimizers.step()
     optimizers.zero_grad()
     return StepResult(step + 1, lr, global_tokens, skipped, current_scale,
-                      loss_sum=counted_loss(pm, local_sum), norm=norm.detach())
+                      loss_sum=counted(pm, local_sum.reshape(())), norm=norm.detach())
 
 
 def _reduce_partial_grads(pm: ParallelModel) -> None:
@@ -156,16 +156,43 @@ def _reduce_partial_grads(pm: ParallelModel) -> None:
                                                 for pl in g.placements])
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean held-out loss per real target
+    targets: int  # real targets counted, all ranks together
+    accuracy: float | None  # top-1 over real targets; None when outputs are not class scores
+
+
 @torch.no_grad()
-def evaluate(pm: ParallelModel, batches: Iterable[tuple[Batch, bool]], num_tokens: int) -> float:
-    """Mean held-out token loss over every rank's share of the evaluation set. Batches marked
-    `False` are padding (a rank with fewer real sequences still runs the collectives of every
-    forward) and are not counted."""
+def evaluate(pm: ParallelModel, batches: Iterable[tuple[Batch, bool]]) -> EvalResult:
+    """Held-out loss (and top-1 accuracy) over every rank's share of the evaluation set, divided
+    by the global count of real targets. Batches marked `False` are padding (a rank with fewer
+    real micro-batches still runs the collectives of every forward) and are not counted."""
     pm.eval()
-    total = torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
+    # loss sum, real targets, correct top-1 predictions, batches whose outputs are not scores
+    sums = torch.zeros(4, dtype=torch.float64, device=pm.ctx.device)
     for (inputs, targets), real in batches:
-        logits = pm.logits(inputs)
-        if logits is not None and real:
-            total += pm.token_loss_sum(logits, targets).double()
+        outputs = pm.logits(inputs)
+        if outputs is not None and real:
+            real_mask = targets != IGNORE_INDEX
+            sums[0] += pm.token_loss_sum(outputs, targets).double()
+            sums[1] += real_mask.sum()
+            correct = top1_correct(outputs, targets, real_mask)
+            if correct is None:
+                sums[3] += 1
+            else:
+                sums[2] += correct
     pm.train()
-    return float(global_sums(pm, counted_loss(pm, total).reshape(1))[0]) / num_tokens
+    loss_sum, count, correct, unscored = global_sums(pm, counted(pm, sums)).tolist()
+    return EvalResult(loss=loss_sum / count, targets=int(count),
+                      accuracy=None if unscored or not count else correct / count)
+
+
+def top1_correct(outputs: object, targets: torch.Tensor,
+                 real: torch.Tensor) -> torch.Tensor | None:
+    """Real targets the highest score names, for outputs that score classes along their last
+    dimension (logits of (..., C) for integer targets of (...)); None for any other outputs."""
+    if not (isinstance(outputs, torch.Tensor) and not targets.is_floating_point()
+            and outputs.shape[:-1] == targets.shape):
+        return None
+    return ((outputs.argmax(-1) == targets) & real).sum()

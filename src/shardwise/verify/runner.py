@@ -22,7 +22,6 @@ from shardwise.run import rundir
 from shardwise.run.launch import preflight, run_local
 from shardwise.run.worker import FINAL_STATE
 from shardwise.spec import RunSpec, load_spec
-from shardwise.spec.runspec import DataSection
 from shardwise.verify.layouts import Layout
 
 
@@ -64,13 +63,14 @@ def preflight_all(specs: dict[str, RunSpec]) -> dict[str, RunSpec]:
     """`preflight` of every run, keyed by layout name, before any of them trains: a layout the
     batch or the model cannot take fails in seconds, not after the layouts before it have
     trained. The data is prepared once per distinct data section (in practice once)."""
-    prepared: dict[DataSection, PreparedData] = {}
+    prepared: dict[str, PreparedData] = {}  # by repr: a section with tables is not hashable
     checked: dict[str, RunSpec] = {}
     for name, spec in specs.items():
-        if spec.data not in prepared:
-            prepared[spec.data] = prepare_data(spec.data)
+        key = repr(spec.data)
+        if key not in prepared:
+            prepared[key] = prepare_data(spec.data)
         try:
-            checked[name], _ = preflight(spec, prepared[spec.data])
+            checked[name], _ = preflight(spec, prepared[key])
         except UserError as err:
             raise UserError(f"layout {name} cannot run this job: {err} Nothing was trained; fix "
                             "the spec or leave this layout out.") from None
