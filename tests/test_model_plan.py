@@ -52,6 +52,9 @@ LAYOUTS = {
     "tp2+sp": (2, {"tp": 2, "dp_shard": 1, "sequence_parallel": True}),
     "zero3-2xtp2": (4, {"dp_shard": 2, "tp": 2}),
     "pp2-1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"}),
+    # the planner's kind of split: more blocks on the first stage, the last runs the head + loss
+    "pp2-1f1b-split31": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b",
+                             "pp_layer_split": [3, 1]}),
     "pp2-zero-bubble": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zero-bubble",
                             "pp_virtual_stages": 2}),
     "pp2xzero3-2": (4, {"pp": 2, "dp_shard": 2}),
@@ -61,13 +64,13 @@ CASES = [
     *((f, lay) for f in ("tiny", "tiny-tied") for lay in
       ("ddp2", "zero3-2", "tp2", "tp2+sp", "zero3-2xtp2", "pp2-1f1b", "pp2-zero-bubble",
        "pp2xzero3-2", "tp2xpp2")),
-    *(("gpt-tied", lay) for lay in ("zero3-2", "tp2", "tp2+sp", "pp2-1f1b", "pp2-zero-bubble",
-                                    "tp2xpp2")),
+    *(("gpt-tied", lay) for lay in ("zero3-2", "tp2", "tp2+sp", "pp2-1f1b", "pp2-1f1b-split31",
+                                    "pp2-zero-bubble", "tp2xpp2")),
     *(("bag", lay) for lay in ("ddp2", "zero1-2", "zero3-2", "hsdp-2x2")),
 ]
 DEFAULT = {("tiny", "tp2+sp"), ("tiny", "pp2-1f1b"), ("tiny-tied", "tp2"),
            ("tiny-tied", "pp2-zero-bubble"), ("gpt-tied", "tp2"),
-           ("gpt-tied", "pp2-1f1b"), ("bag", "zero3-2")}
+           ("gpt-tied", "pp2-1f1b-split31"), ("bag", "zero3-2")}
 TIED = {"tiny-tied": ("embed.weight", "head.weight"),
         "gpt-tied": ("tok_embeddings.weight", "output.weight")}
 
@@ -240,3 +243,22 @@ def test_print_plan_shows_placements_stages_units_and_tied_groups(small_corpus, 
     bad = plan(f"model.family={TINY}", "model.args={width = 30}", "parallel.tp=4",
                "parallel.dp_shard=1", "parallel.nproc=4")
     assert bad.returncode == 2 and "does not divide" in bad.stderr, bad.stderr
+
+
+def test_a_pipeline_layer_split_is_checked_against_the_model(small_corpus, tmp_path):
+    spec = _spec(small_corpus, tmp_path / "run", "gpt-tied")  # 4 blocks
+    plan = describe_model(spec.model, 512, 32)
+
+    def check(split, **parallel):
+        s = spec.replace("parallel", pp_layer_split=tuple(split), **parallel)
+        check_layout(s, ParallelDims.from_spec(s.parallel, 2), plan, accumulation=4)
+
+    check([3, 1], pp=2, dp_shard=1)
+    for split, parallel, message in (
+            ([2, 1], {"pp": 2, "dp_shard": 1}, "places 3 blocks, but the model has 4"),
+            ([4], {"pp": 2, "dp_shard": 1}, "has 1 entries but there are pp x"),
+            ([2, 2], {"dp_shard": 2}, "only applies to pipeline parallel")):
+        with pytest.raises(SpecError, match=message):
+            check(split, **parallel)
+    with pytest.raises(SpecError, match="gives a stage no blocks"):
+        spec.replace("parallel", pp_layer_split=(4, 0)).validate()

@@ -59,7 +59,7 @@ GRID = {
 EVAL = {"batches": 1000}  # more than the split holds: all of it, with a short last micro-batch
 # (FSDP x TP, TP x PP and pipeline x FSDP products run by default in test_model_plan.py and
 # through `verify` in test_verify.py; HSDP in test_parity.py)
-DEFAULT_ROWS = ("zero1-2", "zero3-2", "tp2+sp", "pp2-1f1b")
+DEFAULT_ROWS = ("zero1-2", "zero3-2", "pp2-1f1b")  # tp2+sp: test_model_plan, test_tensor_parallel
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,18 @@ def train(store: Any, spec: RunSpec, resume: bool = False) -> dict[str, Any]:
             "val_losses": summary.val_losses, **summary.extra}
 
 
+def train_many(store: Any, specs: list[RunSpec]) -> None:
+    """Train each spec in turn in these ranks (one process group per run, each on its own prefix
+    of the parent's store), writing only their run directories: runs that share the start-up."""
+    import torch.distributed as dist
+
+    for i, spec in enumerate(specs):
+        run_dir = Path(spec.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.write_spec(run_dir, spec)
+        run_worker(spec, run_dir, store=dist.PrefixStore(f"run-{i}/", store), ui=False)
+
+
 def train_single(spec: RunSpec, resume: bool = False) -> dict[str, Any]:
     """The single-process reference, in the calling process (no process group). Restores the
     process-wide settings a determinism mode changes (threads, deterministic algorithms)."""

@@ -16,9 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch whose results do not change with the layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from shardwise.cli import export, inspect, report, train, verify
+    from shardwise.cli import export, inspect, plan, report, train, verify
 
     train.add_parser(sub)
+    plan.add_parser(sub)
     inspect.add_parser(sub)
     verify.add_parser(sub)
     export.add_parser(sub)

@@ -38,6 +38,9 @@ def check_layout(spec: RunSpec, dims: ParallelDims, plan: ModelPlan, accumulatio
             "\"none\", or name the blocks (`blocks` in the model's plan).")
     if dims.pp > 1:
         _check_pipeline(spec, dims, plan, accumulation)
+    elif par.pp_layer_split:
+        raise SpecError(f"parallel.pp_layer_split = {list(par.pp_layer_split)} only applies to "
+                        "pipeline parallel (pp > 1). Remove it, or set parallel.pp.")
     elif par.pp_virtual_stages != 1:
         raise SpecError(f"parallel.pp_virtual_stages = {par.pp_virtual_stages} only applies to "
                         "pipeline parallel (pp > 1). Set it to 1.")
@@ -99,6 +102,17 @@ def _check_pipeline(spec: RunSpec, dims: ParallelDims, plan: ModelPlan,
             f"model has {plan.n_blocks} blocks: every stage needs at least one. "
             f"Use pp <= {plan.n_blocks // v} or more layers."
         )
+    split = par.pp_layer_split
+    if split and len(split) != stages:
+        raise SpecError(
+            f"parallel.pp_layer_split has {len(split)} entries but there are pp x "
+            f"pp_virtual_stages = {dims.pp} x {v} = {stages} pipeline stages; give one block "
+            "count per stage, or [] for the balanced split.")
+    if split and sum(split) != plan.n_blocks:
+        raise SpecError(
+            f"parallel.pp_layer_split = {list(split)} places {sum(split)} blocks, but the model "
+            f"has {plan.n_blocks}. Give block counts that sum to {plan.n_blocks}, or [] for the "
+            "balanced split.")
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise SpecError(f"parallel.pp_schedule = {schedule!r} runs one stage per rank; set "
                         f"pp_virtual_stages = 1, or use \"interleaved-1f1b\" for {v} stages per rank.")

@@ -9,6 +9,11 @@ Order, and why it is fixed:
   6. compile          — per block, after AC so the recompute is compiled too
   7. data parallel    — FSDP2 / DDP last: FSDP shards whatever parameters it finds (TP DTensors
      become 2-D), DDP registers hooks on the final parameters.
+
+A model built on the meta device (`models.registry.build_deferred`) goes through 1–7 without
+memory and is materialised between FSDP and DDP: every tensor already has its final local shape
+(TP, FSDP), and DDP has not yet bucketed or broadcast anything. Each rank then rebuilds, from the
+recorded build, only what it holds — the same bits as the eager build on every layout.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.models.deferred import InitRecord, materialize
 from shardwise.models.plan import plan_of
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, unwrap
 from shardwise.parallel.distributed import DistContext
@@ -31,24 +37,29 @@ __all__ = ["ParallelModel", "local_bytes", "parallelize", "unwrap"]
 
 
 def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
-                accumulation: int) -> ParallelModel:
+                accumulation: int, record: InitRecord | None = None) -> ParallelModel:
     """Apply the layout of `ctx.dims` to `model` (built identically on every rank), reading
-    only the model's plan."""
+    only the model's plan. With a deferred `record`, `model` is on the meta device and each
+    rank materialises only its own tensors, after sharding."""
     dims, par = ctx.dims, spec.parallel
     plan = plan_of(model)
-    model = model.to(ctx.device)
+    deferred = record is not None and record.deferred
+    if not deferred:
+        model = model.to(ctx.device)
     invariant = spec.run.determinism == "invariant"
     if ctx.mesh is None:
         apply_activation_checkpointing(model, plan, spec.memory)
         if spec.memory.compile:
             apply_compile(model, plan)
+        if deferred:
+            materialize([model], record, ctx.device)
         return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant)
 
     # 1. pipeline split
     ids, n_stages, parts = [0], 1, [model]
     if dims.pp > 1:
         n_stages = dims.pp * par.pp_virtual_stages
-        counts = stage_layer_counts(len(blocks_of(model, plan)), n_stages)
+        counts = stage_layer_counts(len(blocks_of(model, plan)), n_stages, par.pp_layer_split)
         ids = stage_ids(ctx.mesh["pp"].get_local_rank(), dims.pp, par.pp_virtual_stages,
                         par.pp_schedule)
         parts = [split_model(model, plan, sid, counts) for sid in ids]
@@ -74,11 +85,19 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
                 else ctx.mesh["dp_shard"]
             parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
                                 blocks=[b for _, b in blocks_of(part, plan)]) for part in parts]
+            if deferred:  # fill the local shards FSDP2 laid out (on meta, no memory yet)
+                materialize(parts, record, ctx.device)
+                deferred = False
             if invariant:
                 for part in parts:
                     install_on_fsdp(part)
         elif not invariant:
+            if deferred:  # before DDP, which holds the final parameters
+                materialize(parts, record, ctx.device)
+                deferred = False
             parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
+    if deferred:
+        materialize(parts, record, ctx.device)
     if tied is not None:
         tied.resolve(parts)  # FSDP replaced the parameters by sharded ones: look them up again
     pm = ParallelModel(parts, ctx, spec.run.precision, plan, loss_parallel=loss_par,

@@ -13,7 +13,7 @@ Stage placement: `looped` (stage s on rank s mod pp) for GPipe, 1F1B and interle
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -36,9 +36,12 @@ SCHEDULES = {
 }
 
 
-def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per stage, balanced; the remainder goes to middle stages first, because the first
-    stage also runs the embedding and the last the output projection and the loss."""
+def stage_layer_counts(n_layers: int, n_stages: int, split: Sequence[int] = ()) -> list[int]:
+    """Layers per stage: `split` when given (`parallel.pp_layer_split`, checked against the model
+    by `checks.check_layout`), else balanced, the remainder to middle stages first, because the
+    first stage also runs the embedding and the last the output projection and the loss."""
+    if split:
+        return list(split)
     base, extra = divmod(n_layers, n_stages)
     counts = [base] * n_stages
     order = [*range(1, n_stages - 1), 0, n_stages - 1] if n_stages > 2 else list(range(n_stages))

@@ -27,12 +27,13 @@ class ParamPlacement:
     local_shape: tuple[int, ...]
 
 
-def stage_map(plan: ModelPlan, dims: ParallelDims, virtual: int, schedule: str) -> list[dict]:
+def stage_map(plan: ModelPlan, dims: ParallelDims, virtual: int, schedule: str,
+              split: tuple[int, ...] = ()) -> list[dict]:
     """For every pipeline stage: its pp rank, its blocks, and the first/last modules it runs."""
     if dims.pp == 1:
         return [{"stage": 0, "pp_rank": 0, "blocks": (0, plan.n_blocks), "extra": []}]
     n_stages = dims.pp * virtual
-    counts = stage_layer_counts(plan.n_blocks, n_stages)
+    counts = stage_layer_counts(plan.n_blocks, n_stages, split)
     holder = {s: r for r in range(dims.pp) for s in stage_ids(r, dims.pp, virtual, schedule)}
     out = []
     for s in range(n_stages):
@@ -45,8 +46,8 @@ def stage_map(plan: ModelPlan, dims: ParallelDims, virtual: int, schedule: str) 
 
 
 def placements(model: nn.Module, plan: ModelPlan, dims: ParallelDims, virtual: int,
-               schedule: str) -> list[ParamPlacement]:
-    stages = stage_map(plan, dims, virtual, schedule)
+               schedule: str, split: tuple[int, ...] = ()) -> list[ParamPlacement]:
+    stages = stage_map(plan, dims, virtual, schedule, split)
     tp_of = {name: style for name, (style, _size) in plan.tp_sizes.items()}
     out = []
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -116,7 +117,7 @@ def tp_share(model: nn.Module, plan: ModelPlan) -> float:
 
 
 def render(model: nn.Module, plan: ModelPlan, dims: ParallelDims, virtual: int,
-           schedule: str) -> str:
+           schedule: str, split: tuple[int, ...] = ()) -> str:
     lines = [f"layout: {dims.describe()}",
              f"model: {plan.shape.params:,} parameters, {plan.n_blocks} blocks"
              f"{' (' + plan.blocks + ')' if plan.blocks else ''}; tensor-parallel plan: "
@@ -124,7 +125,7 @@ def render(model: nn.Module, plan: ModelPlan, dims: ParallelDims, virtual: int,
              f"{'yes' if plan.supports_pp else 'no'}"]
     if dims.pp > 1:
         lines.append("pipeline stages:")
-        for st in stage_map(plan, dims, virtual, schedule):
+        for st in stage_map(plan, dims, virtual, schedule, split):
             a, b = st["blocks"]
             extra = f" + {', '.join(st['extra'])}" if st["extra"] else ""
             lines.append(f"  stage {st['stage']} on pp rank {st['pp_rank']}: blocks {a}..{b - 1}"
@@ -137,7 +138,7 @@ def render(model: nn.Module, plan: ModelPlan, dims: ParallelDims, virtual: int,
                      + "; ".join(" = ".join(g) for g in plan.tied))
     if dims.tp > 1:
         lines.append(f"share of block parameters sharded by tp: {tp_share(model, plan):.1%}")
-    rows = placements(model, plan, dims, virtual, schedule)
+    rows = placements(model, plan, dims, virtual, schedule, split)
     width = max(len(r.name) for r in rows) if rows else 10
     lines.append(f"{'parameter':<{width}}  {'shape':<14} {'stages':<8} {'tp':<10} "
                  f"{'local shape':<14} data parallel")

@@ -117,7 +117,65 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
         data = prepare_data(spec.data)
     plan = describe_model(spec.model, data.vocab_size, spec.data.seq_len)
     check_layout(spec, dims, plan, layout.accumulation)
+    check_memory(spec, dims, plan, device_type)
     return with_data_hashes(spec, data), dims
+
+
+def check_memory(spec: RunSpec, dims: ParallelDims, plan, device_type: str) -> None:
+    """The will-it-fit check (`shardwise.plan.fit`): one warning line on stderr when the memory
+    model predicts a rank will not fit its device; with `plan.strict = true` a UserError (exit 2)
+    with the numbers instead. Silent when it fits, and when a GPU's memory cannot be read cheaply."""
+    from shardwise.errors import UserError
+    from shardwise.plan.cluster import _physical_memory_bytes
+    from shardwise.plan.fit import check_fit
+
+    workers = spec.parallel.nproc
+    if spec.plan.device_memory_gib > 0:
+        capacity = spec.plan.device_memory_gib * 2**30
+        source = f"plan.device_memory_gib = {spec.plan.device_memory_gib:g}"
+    elif device_type == "cpu":
+        total = _physical_memory_bytes()
+        capacity = total / workers
+        source = (f"this machine's {total / 2**30:.1f} GiB of RAM shared by {workers} local "
+                  f"worker{'s' if workers > 1 else ''}")
+    else:
+        memory = cuda_device_memory()
+        if memory is None:
+            return
+        capacity, source = memory, "the GPU"
+    result = check_fit(spec, dims, dims.zero, plan.shape, bool(plan.tied), device_type, capacity,
+                       source)
+    if result.fits:
+        return
+    if spec.plan.strict:
+        raise UserError(f"{result.numbers()}, and plan.strict = true refuses to start a run "
+                        "predicted not to fit. Shard more (a higher parallel.zero, tp or pp), "
+                        "checkpoint activations (memory.activation_checkpoint), lower "
+                        "batch.micro_batch, or see `shardwise plan --model SPEC.toml --cluster "
+                        "...` for layouts that fit; set plan.strict = false to start it anyway.")
+    print(f"warning: {result.numbers()}; it may run out of memory (plan.strict = true refuses "
+          "such runs; `shardwise plan --model SPEC.toml` lists layouts that fit).",
+          file=sys.stderr)
+
+
+def cuda_device_memory() -> float | None:
+    """Total memory of the first GPU, only where reading it costs nothing: from torch when this
+    process has initialised CUDA already (initialising it here would cost the launcher seconds and
+    a context), else from NVML when `pynvml` is installed; None otherwise."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        try:
+            return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver, no device: no check, no message
+        return None
 
 
 def plan_preview(spec: RunSpec, dims: ParallelDims) -> str:
@@ -132,7 +190,7 @@ def plan_preview(spec: RunSpec, dims: ParallelDims) -> str:
     data = prepare_data(spec.data)
     model = build_model(spec.model, data.vocab_size, spec.data.seq_len, seed=0, device="meta")
     return render(model, plan_of(model), dims, spec.parallel.pp_virtual_stages,
-                  spec.parallel.pp_schedule)
+                  spec.parallel.pp_schedule, spec.parallel.pp_layer_split)
 
 
 def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:

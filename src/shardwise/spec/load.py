@@ -40,15 +40,20 @@ def load_spec(path: str | Path | None = None, overrides: Iterable[str] = ()) -> 
 
 def spec_from_dict(data: Mapping[str, Any], origin: str = "the spec") -> RunSpec:
     """Build a RunSpec from nested mappings, rejecting unknown keys and wrong types."""
-    sections: dict[str, Any] = {}
+    check_tables(data, _SECTIONS, origin)
+    return RunSpec(**{name: _build_section(name, _SECTIONS[name], values, origin)
+                      for name, values in data.items()})
+
+
+def check_tables(data: Mapping[str, Any], sections: Iterable[str], origin: str) -> None:
+    """Every top-level key of `data` is a known section holding a table."""
+    known = list(sections)
     for name, values in data.items():
-        if name not in _SECTIONS:
+        if name not in known:
             raise SpecError(f"unknown section [{_name(name)}] in {origin}."
-                            f"{_suggest(name, _SECTIONS)} Valid sections: {', '.join(_SECTIONS)}.")
+                            f"{_suggest(name, known)} Valid sections: {', '.join(known)}.")
         if not isinstance(values, Mapping):
             raise SpecError(f"[{name}] in {origin} must be a table of keys, got {show(values)}.")
-        sections[name] = _build_section(name, _SECTIONS[name], values, origin)
-    return RunSpec(**sections)
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -134,6 +139,12 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], origin: str)
 
 
 def _coerce(where: str, expected: Any, value: Any) -> Any:
+    if typing.get_origin(expected) is tuple:  # tuple[int, ...]: an array of whole numbers
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            return tuple(_checked_int(f"{where}[{i}]", v) for i, v in enumerate(value))
+        raise SpecError(f"{where} must be an array of whole numbers like [3, 4, 4, 3], got "
+                        f"{show(value)} ({type(value).__name__}).")
     if typing.get_origin(expected) is dict:
         if isinstance(value, dict):
             return _checked_table(where, value)
@@ -250,7 +261,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         # A JSON string is a valid TOML basic string, except that TOML also forbids a raw DEL.
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}"

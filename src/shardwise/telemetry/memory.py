@@ -3,8 +3,12 @@
 - GPU: `torch.cuda.max_memory_allocated` / `max_memory_reserved`, reset after every read, so each
   step event reports the peak of its own window (`peak_during`, which measures a checkpoint's
   staging, resets them too and hands the window's peak so far back to the next read).
-- CPU: the process's peak resident set (`getrusage` ru_maxrss; the kernel cannot reset it, so it is
-  the peak since the process started) and the current RSS from /proc/self/statm.
+- CPU: the process's peak resident set since it started (`VmHWM` of /proc/self/status; not
+  `getrusage`'s ru_maxrss, which Linux carries over exec from the parent: a worker spawned from a
+  500 MB launcher reported 500 MB with 15 MB resident) and the current RSS from /proc/self/statm;
+  ru_maxrss only where /proc is missing. The trainer also records the RSS just before the model is
+  built (the `memory` event's `rss_before_model_bytes_per_rank`), so the increment a run's model,
+  optimizer and activations explain is peak minus that.
 - Parameters, gradients and optimizer state come from `parallel.accounting.ModelStateMeter`.
 - Activations: `ActivationSampler` counts, on one training step, the bytes autograd keeps for
   backward (`torch.autograd.graph.saved_tensors_hooks`), at their peak: the most bytes saved and
@@ -45,7 +49,7 @@ def device_memory(device: torch.device) -> dict[str, int]:
         torch.cuda.reset_peak_memory_stats(device)
         return out
     rss = current_rss_bytes()
-    # the kernel updates ru_maxrss lazily (the current RSS can be a few pages above it)
+    # the kernel updates the high-water mark lazily (the current RSS can be a few pages above it)
     return {"peak_mem_bytes": max(peak_rss_bytes(), rss), "rss_bytes": rss}
 
 
@@ -82,7 +86,15 @@ def _index(device: torch.device) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """Peak resident set of this process: VmHWM (this process's own memory map, so not inherited
+    from whatever started it), else ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -132,9 +132,13 @@ class RunPerf:
         sampled = self.activations.peak_bytes if self.activations is not None else None
         if self.activations is not None:
             self.activations.disarm()
-        local = [float(v) for v in state.values()] + [-1.0 if sampled is None else float(sampled)]
+        baseline = getattr(trainer, "rss_before_model", None)  # CPU: RSS before the model
+        local = [float(v) for v in state.values()] + [-1.0 if sampled is None else float(sampled),
+                                                      -1.0 if baseline is None else float(baseline)]
         cols = list(zip(*trainer.gather(local), strict=True))
         fields = {f"{key}_per_rank": [int(v) for v in col]
                   for key, col in zip(state, cols, strict=False)}
-        fields["activation_bytes_per_rank"] = [None if v < 0 else int(v) for v in cols[-1]]
+        fields["activation_bytes_per_rank"] = [None if v < 0 else int(v) for v in cols[-2]]
+        if baseline is not None:
+            fields["rss_before_model_bytes_per_rank"] = [int(v) for v in cols[-1]]
         trainer.events.emit("memory", step, **fields)

@@ -1,0 +1,286 @@
+"""`shardwise plan --model NAME|FILE --cluster NAME|FILE`: choose the layout before booking the cluster.
+
+`shardwise plan --calibrate RUN_DIR...`: the planner's error on runs that happened, and the
+efficiency and overlap that fit their step times (`shardwise.plan.calibrate`); `--write-params`
+saves the fitted `CostParams`, `--params` uses them (in planning and in calibration).
+
+Exit codes: 0 with layouts that fit; 1 when none fits (with the smallest node count that would);
+2 for a malformed cluster, model or parameters file, an unknown preset, a batch that cannot be
+formed, or a run directory that cannot be calibrated on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from shardwise.errors import SpecError, UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from shardwise.plan.cluster import PRESETS as CLUSTERS
+    from shardwise.plan.models import PRESETS as MODELS
+
+    p = sub.add_parser(
+        "plan", help="choose a parallel layout for a model on a cluster, before running it",
+        description="Predict memory per rank, step time, tokens/s and MFU of every valid layout "
+                    "of a model on a cluster, and print the best that fit.")
+    p.add_argument("--model", default=None,
+                   help=f"a preset ({', '.join(MODELS)}), a RunSpec .toml, or a Hugging Face "
+                        "config.json (required unless --calibrate)")
+    p.add_argument("--cluster", default=None,
+                   help=f"a preset ({', '.join(CLUSTERS)}) or a cluster .toml (required unless "
+                        "--calibrate, which defaults to cpu-local)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the cluster's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence "
+                   "(default: the model's, or the RunSpec's data.seq_len)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch-tokens", default=None, metavar="T",
+                       help="tokens per optimizer step; K/M/G suffixes are powers of 2 "
+                            "(16M = 16,777,216); rounded down to whole sequences")
+    batch.add_argument("--global-batch", type=int, default=None, metavar="B",
+                       help="sequences per optimizer step")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="default: the RunSpec's, else bf16 on GPUs and fp32 on CPUs")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print the top layouts as a JSON list")
+    p.add_argument("--write-spec", default=None, metavar="PATH",
+                   help="write the best layout shardwise runs today as a RunSpec TOML")
+    p.add_argument("--params", default=None, metavar="FILE",
+                   help="cost-model parameters (a TOML file --write-params wrote; default: the "
+                        "built-in CostParams)")
+    p.add_argument("--calibrate", nargs="+", default=None, metavar="RUN_DIR",
+                   help="predict these finished runs, print the prediction error (memory and "
+                        "step time) and fit efficiency and overlap to their step times")
+    p.add_argument("--write-params", default=None, metavar="FILE",
+                   help="with --calibrate: write the fitted CostParams as TOML")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardwise.plan import report
+    from shardwise.plan.cluster import resolve_cluster
+    from shardwise.plan.layout import Batch
+    from shardwise.plan.search import search, smallest_cluster
+
+    if args.top < 1:
+        raise UserError(f"--top {args.top}: show at least one layout.")
+    params = _params(args)
+    if args.calibrate:
+        return calibrate(args, params)
+    if args.write_params:
+        raise UserError("--write-params writes what --calibrate fitted: pass --calibrate RUN_DIR "
+                        "as well.")
+    for flag in ("model", "cluster"):
+        if getattr(args, flag) is None:
+            raise UserError(f"shardwise plan needs --{flag} (or --calibrate RUN_DIR... to check "
+                            "the planner against finished runs).")
+    cluster = resolve_cluster(args.cluster, args.nodes)
+    model, base = resolve_model(args.model)
+    seq = args.seq_len or (base.data.seq_len if base is not None and not base.data.is_samples
+                           else model.seq_len) or 1
+    if seq < 1:
+        raise UserError(f"--seq-len {seq}: a sequence has at least one token.")
+    global_batch = _global_batch(args, model, base, seq)
+    precision = args.precision or (base.run.precision if base is not None else
+                                   "fp32" if cluster.cluster.device == "cpu" else "bf16")
+    batch = Batch(global_batch=global_batch, seq_len=seq, precision=precision,
+                  tf32=base.run.tf32 if base is not None else True)
+    result = search(model, cluster, batch, params)
+    out = sys.stdout
+    if not result.feasible:
+        nodes = smallest_cluster(model, cluster, batch)
+        if args.json:
+            print("[]", file=out)
+        else:
+            print(report.human(result, args.top), file=out)
+        where = (f"the smallest {cluster.name} cluster that fits has {nodes:,} node(s) "
+                 f"({nodes * cluster.devices_per_node:,} devices; found by doubling, then "
+                 "bisecting)" if nodes else
+                 f"no {cluster.name} cluster of up to 2,097,152 devices fits it at this batch "
+                 "and sequence length (shorter sequences, a smaller batch per rank, or devices "
+                 "with more memory)")
+        print(f"error: no layout of {model.name} fits {cluster.nodes:,} {cluster.name} node(s) "
+              f"for {batch.global_batch:,} x {batch.seq_len:,} tokens; {where}.", file=sys.stderr)
+        return 1
+    if args.json:
+        print(report.layouts_json(result.top(args.top)), file=out)
+    else:
+        print(report.human(result, args.top), file=out)
+    if args.write_spec:
+        chosen = next((p for p in result.feasible if p.layout.available), result.feasible[0])
+        path = Path(args.write_spec).expanduser()
+        text = report.spec_text(chosen, result, base)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise UserError(f"--write-spec {path}: cannot write it ({err}). Pick a writable "
+                            "path.") from None
+        print(f"wrote {path}: {chosen.layout.name()} "
+              f"(check it with `shardwise train {path} --print-spec`)",
+              file=sys.stderr if args.json else out)
+    return 0
+
+
+def _params(args: argparse.Namespace):
+    from shardwise.plan.calibrate import load_params
+    from shardwise.plan.cost import DEFAULT_PARAMS
+
+    return load_params(args.params) if args.params else DEFAULT_PARAMS
+
+
+def calibrate(args: argparse.Namespace, params) -> int:
+    """`--calibrate`: every run predicted with `params`, the errors, the fit, the errors after."""
+    import dataclasses
+    import json
+
+    from shardwise.plan import calibrate as cal
+    from shardwise.plan.cluster import cpu_local, resolve_cluster
+
+    runs = [cal.read_run(path) for path in args.calibrate]  # every directory checked first
+    base = resolve_cluster(args.cluster or "cpu-local", args.nodes)
+    cases = []
+    for run in runs:
+        dims, _ = _from_runspec(run.path / "spec.toml")
+        cases.append((run, dims, cal.cluster_for(base, run.world, cpu_local)))
+    before = [cal.evaluate(r, m, c, params) for r, m, c in cases]
+    fitted = cal.fit(cases, params)
+    after = [cal.evaluate(r, m, c, fitted) for r, m, c in cases]
+    mape = {
+        "model_state": cal.mean_abs([e.model_state_error for e in before]),
+        "peak": cal.mean_abs([e.peak_error for e in before]),
+    }
+    step = {"before": cal.mean_abs([e.step_time_error for e in before]),
+            "after": cal.mean_abs([e.step_time_error for e in after])}
+    if args.write_params:
+        path = Path(args.write_params).expanduser()
+        header = [f"written by `shardwise plan --calibrate` from {len(runs)} run(s) on "
+                  f"{base.name}: step-time mean absolute error {100 * step['before']:.1f} % "
+                  f"before, {100 * step['after']:.1f} % after",
+                  *(f"  {r.path}" for r in runs)]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(cal.params_to_toml(fitted, header), encoding="utf-8")
+        except OSError as err:
+            raise UserError(f"--write-params {path}: cannot write it ({err}). Pick a writable "
+                            "path.") from None
+    if args.json:
+        rows = []
+        for b, a in zip(before, after, strict=True):
+            row = b.as_dict()
+            row["step_time_s"]["fitted"] = a.step_time_pred
+            row["step_time_s"]["error_fitted"] = a.step_time_error
+            rows.append(row)
+        print(json.dumps({"cluster": base.name, "runs": rows, "mape": mape,
+                          "step_time_mape": step, "params_before": dataclasses.asdict(params),
+                          "params_after": dataclasses.asdict(fitted)}, indent=2))
+    else:
+        print(_calibration_text(base.name, before, after, mape, step, params, fitted))
+    if args.write_params:
+        print(f"wrote {args.write_params}: use it with `shardwise plan --params "
+              f"{args.write_params}`", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _calibration_text(cluster: str, before, after, mape, step, params, fitted) -> str:
+    def pct(x) -> str:
+        return "-" if x is None else f"{100 * x:+.1f}%"
+
+    def mib(x) -> str:
+        return "-" if x is None else f"{x / 2**20:,.1f}"
+
+    head = ["run", "layout", "state MiB pred/meas", "err", "peak MiB pred/meas", "err",
+            "step s pred/fitted/meas", "err before", "after"]
+    rows = [head]
+    for b, a in zip(before, after, strict=True):
+        r = b.run
+        rows.append([r.path.name, f"{r.layout.name()} mb{r.layout.micro_batch}"
+                     + (f" {r.layout.recompute}" if r.layout.recompute != "none" else ""),
+                     f"{mib(b.model_state_pred)}/{mib(r.model_state_bytes)}",
+                     pct(b.model_state_error), f"{mib(b.peak_pred)}/{mib(r.peak_bytes)}",
+                     pct(b.peak_error),
+                     f"{b.step_time_pred:.3g}/{a.step_time_pred:.3g}/{r.step_time_s:.3g}",
+                     pct(b.step_time_error), pct(a.step_time_error)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"calibrating on {len(before)} run(s), cluster {cluster} (peak on a CPU: peak RSS "
+             "minus RSS before the model, against the prediction less its runtime overhead)", ""]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+              for row in rows]
+
+    def mean(x) -> str:
+        return "-" if x is None else f"{100 * x:.1f} %"
+
+    lines += ["", f"mean absolute error: model state {mean(mape['model_state'])}, peak "
+                  f"{mean(mape['peak'])}; step time {mean(step['before'])} before fitting, "
+                  f"{mean(step['after'])} after",
+              f"fitted: efficiency {params.efficiency:.3g} -> {fitted.efficiency:.3g}, overlap "
+              f"{params.overlap:.3g} -> {fitted.overlap:.3g} (least squares on log step time)"]
+    return "\n".join(lines)
+
+
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _global_batch(args: argparse.Namespace, model, base, seq: int) -> int:
+    if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise UserError(f"--global-batch {args.global_batch}: at least one sequence per step.")
+        return args.global_batch
+    if args.global_batch_tokens is not None:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)\s*", str(args.global_batch_tokens),
+                             flags=re.IGNORECASE)
+        if not match:
+            raise UserError(f"--global-batch-tokens {args.global_batch_tokens!r} is not a number "
+                            "of tokens like 4194304 or 4M.")
+        tokens = int(float(match.group(1)) * _SUFFIX[match.group(2).upper()])
+        if tokens < seq:
+            raise UserError(f"--global-batch-tokens {args.global_batch_tokens} is less than one "
+                            f"sequence of {seq} tokens.")
+        return tokens // seq
+    if base is not None:
+        return base.batch.global_batch
+    if model.default_global_batch:
+        return model.default_global_batch
+    raise UserError(f"{model.name} states no batch size: pass --global-batch (sequences) or "
+                    "--global-batch-tokens.")
+
+
+def resolve_model(name: str):
+    """(ModelDims, the RunSpec it came from or None) for a preset, a RunSpec .toml or a
+    Hugging Face config.json."""
+    from shardwise.plan.models import PRESETS, from_hf_config, preset
+
+    if name in PRESETS:
+        return preset(name), None
+    path = Path(name).expanduser()
+    if name.endswith(".json") or (path.is_dir() and (path / "config.json").is_file()):
+        return from_hf_config(path / "config.json" if path.is_dir() else path), None
+    if name.endswith(".toml"):
+        return _from_runspec(path)
+    if path.exists():
+        raise SpecError(f"--model {name}: not a .toml RunSpec or a .json Hugging Face config.")
+    return preset(name), None  # names the presets, with a did-you-mean
+
+
+def _from_runspec(path: Path):
+    """The model of a RunSpec, through its plan's shape summary (built on the meta device)."""
+    import dataclasses
+
+    from shardwise.models.registry import describe_model
+    from shardwise.plan.models import from_shape
+    from shardwise.spec import load_spec
+
+    spec = load_spec(path)
+    vocab = 0 if spec.data.is_samples else spec.data.vocab_size
+    plan = describe_model(spec.model, vocab_size=vocab, seq_len=spec.data.seq_len)
+    family = spec.model.family
+    dims = from_shape(plan.shape, name=family if family != "gpt" else f"gpt ({path.name})",
+                      tied=bool(plan.tied), supports_tp=plan.supports_tp,
+                      supports_pp=plan.supports_pp, default_global_batch=spec.batch.global_batch)
+    if not plan.blocks and not dims.opaque:  # nothing to cut or to recompute
+        dims = dataclasses.replace(dims, supports_pp=False, supports_recompute=False)
+    return dataclasses.replace(dims, source=str(path)), spec

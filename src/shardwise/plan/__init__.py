@@ -1,0 +1,18 @@
+"""The planner: choose a layout before booking the cluster. Imports no torch.
+
+`predict(layout, model, cluster, batch, params)` is the cost model (memory, compute,
+communication, bubble); `search` ranks every valid layout by predicted tokens/s. Modules, one job
+each: `cluster` (presets), `models` (what the planner knows of a model), `layout` (a candidate and
+its validity), `memory`, `compute`, `comm`, `bubble` (terms of the cost), `cost` (`predict`,
+`CostParams`), `search`, `report` (table, JSON, RunSpec), `calibrate` (the error on finished
+runs and the CostParams that fit them), `fit` (the will-it-fit check `shardwise train` runs).
+"""
+
+from shardwise.plan.cost import CostParams, Prediction, predict, predict_memory
+from shardwise.plan.layout import Batch, Layout, layout_problem
+from shardwise.plan.models import ModelDims, from_hf_config, from_shape
+from shardwise.plan.search import PlanResult, SearchSpace, search, smallest_cluster
+
+__all__ = ["Batch", "CostParams", "Layout", "ModelDims", "PlanResult", "Prediction", "SearchSpace",
+           "from_hf_config", "from_shape", "layout_problem", "predict", "predict_memory", "search",
+           "smallest_cluster"]

@@ -1,0 +1,177 @@
+"""A candidate layout and the batch it runs, and which layouts are valid for a model and cluster.
+
+The degrees are shardwise's (`shardwise.parallel.dims.ParallelDims`): the world is
+dp_replicate x dp_shard x cp x tp x pp; expert parallel borrows its ranks from dp_shard x cp (as
+torchtitan does), so it does not enter the product. The rules mirror what `shardwise train`
+refuses (`parallel/dims.py`, `parallel/checks.py`) so that every layout the planner returns is one
+shardwise would start — except cp and ep, which the planner models ahead of shardwise running them
+(`Layout.available` says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.models import ModelDims
+from shardwise.spec.cluster import ClusterSpec
+
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Sequences per optimizer step, their length, and the run's precision."""
+
+    global_batch: int
+    seq_len: int
+    precision: str = "bf16"
+    tf32: bool = True  # fp32 matmuls on TF32 tensor cores (shardwise's run.tf32 default)
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero: int = 0  # 0 DDP, 1 optimizer state sharded, 2 + gradients, 3 + parameters
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "none"  # "none" without pipeline parallel
+    v: int = 1  # stages per pipeline rank
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"  # none | selective (every `ac_every`-th block) | full
+    ac_every: int = 2
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def available(self) -> bool:
+        """Whether this version of shardwise runs it (context and expert parallel: not yet)."""
+        return self.cp == 1 and self.ep == 1
+
+    def micro_batches(self, batch: Batch) -> int:
+        """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
+        return batch.global_batch // (self.dp * self.micro_batch)
+
+    def name(self) -> str:
+        parts = []
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}-z{self.zero}")
+        elif self.dp_shard > 1:
+            parts.append(f"zero{self.zero}-{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        for axis in ("tp", "cp", "ep"):
+            if getattr(self, axis) > 1:
+                sp = "sp" if axis == "tp" and self.sequence_parallel else ""
+                parts.append(f"{axis}{getattr(self, axis)}{sp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + {"gpipe": "-gpipe", "1f1b": "-1f1b",
+                                            "interleaved-1f1b": f"-i{self.v}",
+                                            "zero-bubble": "-zbv"}.get(self.schedule, ""))
+        return "+".join(parts) or "single"
+
+
+def layout_of(spec, degrees, zero: int) -> Layout:
+    """The Layout a RunSpec runs: `degrees` (anything with dp_replicate, dp_shard, cp, tp, pp as
+    attributes or keys: a resolved `ParallelDims`, or the `mesh` of a run_start event) and the
+    resolved ZeRO stage; schedule, micro-batch and recompute from the spec."""
+    def degree(name: str) -> int:
+        value = degrees.get(name, 1) if isinstance(degrees, dict) else getattr(degrees, name, 1)
+        return int(value)
+
+    par, pp, tp = spec.parallel, degree("pp"), degree("tp")
+    return Layout(dp_replicate=degree("dp_replicate"), dp_shard=degree("dp_shard"), zero=int(zero),
+                  tp=tp, pp=pp, cp=degree("cp"), ep=par.ep,
+                  schedule=par.pp_schedule if pp > 1 else "none",
+                  v=par.pp_virtual_stages if pp > 1 else 1, micro_batch=spec.batch.micro_batch,
+                  recompute=spec.memory.activation_checkpoint, ac_every=spec.memory.ac_every,
+                  sequence_parallel=par.sequence_parallel and tp > 1)
+
+
+def batch_of(spec) -> Batch:
+    """The Batch a RunSpec trains on."""
+    return Batch(global_batch=spec.batch.global_batch, seq_len=spec.data.seq_len,
+                 precision=spec.run.precision, tf32=spec.run.tf32)
+
+
+def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
+                   batch: Batch) -> str | None:
+    """Why `layout` cannot run `model` on `cluster` with `batch` (a short reason), or None."""
+    lo = layout
+    if lo.world != cluster.world:
+        return f"dp_replicate*dp_shard*cp*tp*pp = {lo.world} != world {cluster.world}"
+    if min(lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp, lo.ep, lo.v, lo.micro_batch) < 1:
+        return "a degree below 1"
+    if batch.global_batch % (lo.dp * lo.micro_batch):
+        return (f"global batch {batch.global_batch} not divisible by dp x micro_batch = "
+                f"{lo.dp * lo.micro_batch}")
+    if lo.zero not in (0, 1, 2, 3):
+        return f"zero = {lo.zero}"
+    if lo.zero == 0 and lo.dp_shard > 1:
+        return "zero 0 (DDP) shards nothing across dp_shard"
+    if lo.zero > 0 and lo.dp_shard == 1 and not (lo.world == 1 and lo.zero >= 2):
+        return f"zero {lo.zero} needs dp_shard > 1"
+    if lo.zero in (0, 1) and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1):
+        return "DDP / ZeRO-1 does not compose with tp or pp in shardwise (use zero 2/3)"
+    if lo.recompute not in RECOMPUTE:
+        return f"recompute {lo.recompute!r}"
+    if lo.recompute != "none" and not model.supports_recompute:
+        return "activation checkpointing for a model that declares no blocks"
+    if model.opaque and (lo.tp > 1 or lo.pp > 1 or lo.cp > 1 or lo.ep > 1 or lo.recompute != "none"):
+        return "the model declares no blocks/shape: data parallel only"
+    if lo.tp > 1:
+        if not model.supports_tp:
+            return "the model's plan has no tensor-parallel map"
+        for what, n in (("heads", model.heads), ("KV heads", model.kv), ("FFN", model.ffn),
+                        ("expert FFN", model.expert_ffn), ("vocabulary", model.vocab)):
+            if n and n % lo.tp:
+                return f"tp {lo.tp} does not divide the {what} ({n})"
+        if lo.sequence_parallel and batch.seq_len % lo.tp:
+            return f"sequence parallel: tp {lo.tp} does not divide seq_len {batch.seq_len}"
+    elif lo.sequence_parallel:
+        return "sequence parallel without tp"
+    if lo.cp > 1 and batch.seq_len % (2 * lo.cp):
+        return f"cp {lo.cp}: seq_len {batch.seq_len} is not a multiple of 2*cp (load-balanced chunks)"
+    if lo.ep > 1:
+        if not model.moe:
+            return "ep > 1 for a dense model"
+        if model.experts % lo.ep:
+            return f"ep {lo.ep} does not divide the {model.experts} experts"
+        if (lo.dp_shard * lo.cp) % lo.ep:
+            return f"ep {lo.ep} does not divide dp_shard*cp = {lo.dp_shard * lo.cp}"
+    m = lo.micro_batches(batch)
+    if lo.pp == 1:
+        if lo.schedule != "none" or lo.v != 1:
+            return "a pipeline schedule without pp"
+    else:
+        if not model.supports_pp:
+            return "the model's plan has no pipeline cut"
+        if lo.pp * lo.v > model.layers:
+            return f"pp*v = {lo.pp * lo.v} stages > {model.layers} layers"
+        if lo.schedule in ("gpipe", "1f1b") and lo.v != 1:
+            return f"{lo.schedule} runs one stage per rank"
+        if lo.schedule == "interleaved-1f1b" and lo.v < 2:
+            return "interleaved-1f1b needs v >= 2"
+        if lo.schedule == "zero-bubble" and lo.v != 2:
+            return "zero-bubble (ZBV) needs v = 2"
+        if lo.schedule not in SCHEDULES[1:]:
+            return f"schedule {lo.schedule!r}"
+        if lo.schedule != "gpipe" and m < lo.pp:
+            return f"{lo.schedule} needs >= pp = {lo.pp} micro-batches per step, has {m}"
+        if lo.schedule != "gpipe" and lo.v > 1 and m % lo.pp:
+            return f"{m} micro-batches is not a multiple of pp = {lo.pp}"
+    return None

@@ -1,0 +1,395 @@
+"""What the planner knows of a model: `ModelDims`, from a preset, a model plan's `ModelShape`, or a
+Hugging Face `config.json` — no torch, no transformers.
+
+A `ModelShape` (`shardwise.models.plan`) is the torch-free summary every model declares; the
+planner widens it into `ModelDims` (adding what a shape does not say: tied embeddings, gated FFN,
+MoE routing) with `from_shape`. Parameter counts follow the architecture: per block the attention
+projections (q, k, v, o; grouped-query attention shares K/V heads), the FFN (SwiGLU: three
+hidden x ffn matrices), two norms; then the embedding, the output projection unless tied, and a
+final norm. MoE blocks hold `experts` routed experts of width `expert_ffn` (+ `shared_experts`
+always active) and a router; a token uses `top_k` routed experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import SpecError, show
+from shardwise.spec.load import _suggest
+from shardwise.telemetry.flops import FlopCounts
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A decoder-only transformer as the cost model sees it (zeros: "does not apply"). A model
+    with `layers == 0` or `hidden == 0` is opaque: only its parameter count is known, so it is
+    planned for data-parallel layouts only, with no activation estimate."""
+
+    name: str
+    params_declared: int = 0  # the model's own count (ModelShape.params); 0: computed from below
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0  # dense FFN width (the SwiGLU hidden size)
+    vocab: int = 0
+    seq_len: int = 0  # the model's context: the default sequence length to plan for
+    tied: bool = False  # output projection shares the embedding
+    gated: bool = True  # SwiGLU (three FFN matrices) rather than a two-matrix GeLU MLP
+    head_dim: int = 0  # 0: hidden // heads
+    experts: int = 0  # routed experts per MoE block (0: dense model)
+    top_k: int = 0  # routed experts per token
+    shared_experts: int = 0  # experts every token uses
+    expert_ffn: int = 0  # width of one expert's FFN
+    dense_layers: int = 0  # leading blocks with a dense FFN in an MoE model
+    attn_params: int = 0  # attention weights per block when not GQA's formula (MLA); 0: formula
+    supports_tp: bool = True  # the model's plan has a tensor-parallel map
+    supports_pp: bool = True  # the model's plan has a pipeline cut
+    supports_recompute: bool = True  # the model's plan names its blocks
+    default_global_batch: int = 0  # sequences per step to plan for when the CLI is not told
+    note: str = ""
+    source: str = field(default="preset", compare=False)
+
+    def __hash__(self) -> int:  # hashed by every cached cost term: compute it once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                                if f.compare))
+            self.__dict__["_hash"] = cached
+        return cached
+
+    # --- shape ----------------------------------------------------------------------------
+    @property
+    def opaque(self) -> bool:
+        return self.layers <= 0 or self.hidden <= 0 or self.heads <= 0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or (self.hidden // self.heads if self.heads else 0)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0 and self.top_k > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe and i >= self.dense_layers
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple("moe" if self.is_moe_layer(i) else "dense" for i in range(max(self.layers, 0)))
+
+    # --- parameters per block (weights; norms apart) -----------------------------------------
+    @property
+    def attention_weights(self) -> int:
+        if self.attn_params:
+            return self.attn_params
+        h, hd = self.hidden, self.hd
+        return 2 * h * self.heads * hd + 2 * h * self.kv * hd  # q, o; k, v
+
+    @property
+    def _ffn_mats(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def dense_ffn_weights(self) -> int:
+        return self._ffn_mats * self.hidden * self.ffn
+
+    @property
+    def expert_weights(self) -> int:
+        """One expert's FFN."""
+        return self._ffn_mats * self.hidden * self.expert_ffn
+
+    @property
+    def router_weights(self) -> int:
+        return self.hidden * self.experts if self.moe else 0
+
+    @property
+    def norm_weights(self) -> int:
+        return 2 * self.hidden
+
+    def layer_params(self, kind: str) -> dict[str, int]:
+        """A block's parameters by how they are split: `attn` and `ffn` (tensor parallel),
+        `experts` (routed experts: expert parallel x tensor parallel), `replicated` (norms,
+        router)."""
+        if kind == "moe":
+            return {"attn": self.attention_weights, "ffn": self.shared_experts * self.expert_weights,
+                    "experts": self.experts * self.expert_weights,
+                    "replicated": self.norm_weights + self.router_weights}
+        return {"attn": self.attention_weights, "ffn": self.dense_ffn_weights, "experts": 0,
+                "replicated": self.norm_weights}
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def output_params(self) -> int:
+        """The output projection's own weights (0 when tied: the embedding's are used)."""
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @cached_property
+    def computed_params(self) -> int:
+        if self.opaque:
+            return self.params_declared
+        blocks = sum(sum(self.layer_params(k).values()) for k in self.layer_kinds)
+        return blocks + self.embedding_params + self.output_params + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.params_declared or self.computed_params
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters a token uses (MoE: top-k routed + shared experts and the router)."""
+        if self.opaque:
+            return self.params
+        total = self.embedding_params + self.output_params + self.hidden
+        for kind in self.layer_kinds:
+            p = self.layer_params(kind)
+            total += p["attn"] + p["ffn"] + p["replicated"]
+            if kind == "moe":
+                total += self.top_k * self.expert_weights
+        return total
+
+    @property
+    def param_scale(self) -> float:
+        """declared / computed: a model whose own count differs (biases, extra modules) has its
+        per-part counts scaled to its declared total."""
+        if self.opaque or not self.params_declared or not self.computed_params:
+            return 1.0
+        return self.params_declared / self.computed_params
+
+    # --- FLOPs: telemetry.flops' declared formula, per kind of block ---------------------------
+    def layer_matmul_params(self, kind: str) -> int:
+        """Active matmul weights per token in one block (norms excluded, router included)."""
+        if kind == "moe":
+            return (self.attention_weights + self.router_weights
+                    + (self.top_k + self.shared_experts) * self.expert_weights)
+        return self.attention_weights + self.dense_ffn_weights
+
+    def layer_flops(self, kind: str, seq_len: int) -> FlopCounts:
+        """One block as `FlopCounts` (n_layers = 1), so that its `per_token()` is that block's
+        share of `telemetry.flops`' 6N + 12LHQT/2, and recompute stops before the last
+        projection (w2, or the experts' w2)."""
+        last = self.hidden * (self.ffn if kind == "dense"
+                              else (self.top_k + self.shared_experts) * self.expert_ffn)
+        matmul = self.layer_matmul_params(kind)
+        return FlopCounts(n_layers=1, layer_matmul_params=matmul, head_matmul_params=0,
+                          n_heads=self.heads, head_dim=self.hd, seq_len=seq_len, causal=True,
+                          recompute_matmul_params=matmul - last)
+
+    def head_flops(self, seq_len: int) -> FlopCounts:
+        """The output projection (it counts whether tied or not: a d x V matmul either way)."""
+        return FlopCounts(n_layers=0, layer_matmul_params=0,
+                          head_matmul_params=self.vocab * self.hidden if not self.opaque
+                          else self.params, n_heads=max(self.heads, 1), head_dim=max(self.hd, 1),
+                          seq_len=seq_len)
+
+    def flop_counts(self, seq_len: int) -> FlopCounts:
+        """The whole model as one `FlopCounts` (the MFU numerator): the per-block counts summed;
+        an MoE model's blocks differ, so the sum's remainder over `layers` goes to the head term
+        (the total is exact)."""
+        if self.opaque:
+            return self.head_flops(seq_len)
+        blocks = sum(self.layer_matmul_params(k) for k in self.layer_kinds)
+        per_layer, rest = divmod(blocks, self.layers)
+        return FlopCounts(n_layers=self.layers, layer_matmul_params=per_layer,
+                          head_matmul_params=self.vocab * self.hidden + rest, n_heads=self.heads,
+                          head_dim=self.hd, seq_len=seq_len, causal=True)
+
+    def describe(self) -> str:
+        if self.opaque:
+            return f"{self.name}: {self.params / 1e9:.3g} B parameters (shape unknown: data parallel only)"
+        moe = (f", MoE {self.experts} experts top-{self.top_k}"
+               f"{f' + {self.shared_experts} shared' if self.shared_experts else ''}, "
+               f"{self.active_params / 1e9:.3g} B active" if self.moe else "")
+        return (f"{self.name}: {self.params / 1e9:.4g} B parameters, {self.layers} layers, hidden "
+                f"{self.hidden}, {self.heads} heads / {self.kv} KV, FFN {self.ffn or self.expert_ffn}, "
+                f"vocab {self.vocab}{', tied' if self.tied else ''}{moe}")
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+def _gpt_default() -> ModelDims:
+    """The embedded default RunSpec's GPT (`shardwise.spec.runspec` defaults; the FFN rule of
+    `shardwise.models.gpt.GPTConfig.from_spec`: 8/3 x d_model rounded up to 64; a test checks
+    the result against `describe_model`'s build on the meta device)."""
+    from shardwise.spec.runspec import BatchSection, DataSection, ModelSection
+
+    m, d = ModelSection(), DataSection()
+    ffn = m.ffn_hidden or (int(8 * m.d_model / 3) + 63) // 64 * 64
+    return ModelDims(name="gpt-default", layers=m.n_layers, hidden=m.d_model, heads=m.n_heads,
+                     kv_heads=m.n_kv_heads, ffn=ffn, vocab=d.vocab_size, seq_len=d.seq_len,
+                     tied=m.tie_embeddings, default_global_batch=BatchSection().global_batch,
+                     note="the default RunSpec's GPT (examples/default.toml)")
+
+
+# Llama 3 (Meta, "The Llama 3 Herd of Models", 2024, Table 3; the released config.json files):
+# SwiGLU, GQA with 8 KV heads, vocabulary 128,256, untied output, 8K pre-training context.
+# Batch: the 405B pre-training ended at 16M tokens per step (§3.4.1); 4M for the smaller ones is
+# a common choice, not from the paper (pass --global-batch-tokens).
+def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, batch_tokens: int) -> ModelDims:
+    return ModelDims(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn,
+                     vocab=128256, seq_len=8192, default_global_batch=batch_tokens // 8192,
+                     note="Llama 3 (Meta 2024, Table 3)")
+
+
+# DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, §4.2 and its config.json):
+# 61 blocks, hidden 7168, 128 heads; the first 3 blocks dense (FFN 18432), the other 58 MoE with
+# 256 routed experts (top-8) + 1 shared, expert FFN 2048; vocabulary 129,280, untied; 671 B
+# parameters, ~37 B active (the multi-token-prediction module is left out, as in the 671 B).
+# Multi-head latent attention is approximated as multi-head attention with 128 heads of width 160
+# — the mean of MLA's 192-wide query/key heads (128 + 64 rotary) and 128-wide value heads, which
+# makes the score and value FLOPs exact — with its projection weights counted exactly (query LoRA
+# rank 1536, KV LoRA rank 512, rotary 64): 187,105,280 per block. The compressed KV cache only
+# matters for inference; training activations are those of MHA of those widths. Batch: 15,360
+# sequences of 4,096 tokens (the report's final batch size).
+_MLA_PARAMS = (7168 * 1536 + 1536 * 128 * (128 + 64) + 7168 * (512 + 64)
+               + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
+
+
+def _deepseek_v3() -> ModelDims:
+    return ModelDims(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128,
+                     head_dim=160, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
+                     shared_experts=1, expert_ffn=2048, dense_layers=3, attn_params=_MLA_PARAMS,
+                     default_global_batch=15360,
+                     note="DeepSeek-V3-like (MLA approximated as MHA, see plan/models.py)")
+
+
+PRESETS = {
+    "gpt-default": _gpt_default,
+    "llama3-8b": lambda: _llama("llama3-8b", 32, 4096, 32, 14336, 4 * 2**20),
+    "llama3-70b": lambda: _llama("llama3-70b", 80, 8192, 64, 28672, 4 * 2**20),
+    "llama3-405b": lambda: _llama("llama3-405b", 126, 16384, 128, 53248, 16 * 2**20),
+    "deepseek-v3": _deepseek_v3,
+}
+
+
+def preset(name: str) -> ModelDims:
+    if name not in PRESETS:
+        raise SpecError(f"--model {name!r} is not a preset.{_suggest(name, PRESETS)} Presets: "
+                        f"{', '.join(PRESETS)}; or pass a RunSpec .toml or a Hugging Face "
+                        "config.json.")
+    return PRESETS[name]()
+
+
+# --- from a model plan's ModelShape ------------------------------------------------------------
+
+def from_shape(shape: Any, name: str, *, tied: bool = False, supports_tp: bool = True,
+               supports_pp: bool = True, default_global_batch: int = 0) -> ModelDims:
+    """`ModelDims` from a `shardwise.models.plan.ModelShape` (read by attribute, so this module
+    needs no torch). A shape's `ffn` is taken as a SwiGLU width; a shape with `experts` but no
+    routing facts is planned as top-2 with experts as wide as `ffn` (said in the note)."""
+    note = ""
+    experts = int(getattr(shape, "experts", 0) or 0)
+    if experts:
+        note = f"{experts} experts assumed top-2, each of width ffn (the shape says no more)"
+    dims = ModelDims(name=name, params_declared=int(shape.params), layers=int(shape.layers or 0),
+                     hidden=int(shape.hidden or 0), heads=int(shape.heads or 0),
+                     kv_heads=int(shape.kv_heads or 0), ffn=0 if experts else int(shape.ffn or 0),
+                     vocab=int(shape.vocab or 0), seq_len=int(shape.seq_len or 0), tied=tied,
+                     experts=experts, top_k=2 if experts else 0,
+                     expert_ffn=int(shape.ffn or 0) if experts else 0,
+                     supports_tp=supports_tp, supports_pp=supports_pp,
+                     default_global_batch=default_global_batch, note=note, source="model plan")
+    if dims.opaque:
+        return dataclasses.replace(dims, supports_tp=False, supports_pp=False,
+                                   supports_recompute=False,
+                                   note="shape without layers/hidden/heads: data parallel only")
+    return dims
+
+
+# --- from a Hugging Face config.json -----------------------------------------------------------
+
+HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def from_hf_config(path: str | Path) -> ModelDims:
+    """`ModelDims` from a Hugging Face `config.json` (the usual keys; no transformers): layers,
+    hidden size, heads, KV heads, FFN, vocabulary, tied embeddings (Hugging Face's default:
+    tied), head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`,
+    `num_experts_per_tok`, `moe_intermediate_size`, `n_shared_experts` or
+    `shared_expert_intermediate_size`, `first_k_dense_replace`) and DeepSeek's MLA ranks."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"model config {path} does not exist (or is not a file). Pass a preset, a "
+                        "RunSpec .toml or a Hugging Face config.json.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SpecError(f"{path} is not readable JSON: {err}. Pass a Hugging Face config.json.") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"{path} holds {type(config).__name__}, not a JSON object of config keys.")
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a multimodal config: plan its language model
+
+    def get(key: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
+        value = config.get(key, default)
+        if value is None:
+            if required:
+                raise SpecError(f"{path} has no {key!r}; a Hugging Face config.json of a "
+                                "decoder-only transformer states num_hidden_layers, hidden_size, "
+                                "num_attention_heads, intermediate_size and vocab_size.")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise SpecError(f"{path}: {key} = {show(value)} must be a whole number of at least "
+                            f"{minimum}.")
+        return value
+
+    layers = get("num_hidden_layers", required=True)
+    hidden = get("hidden_size", required=True)
+    heads = get("num_attention_heads", required=True)
+    kv = get("num_key_value_heads", heads)
+    vocab = get("vocab_size", required=True)
+    tied = config.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise SpecError(f"{path}: tie_word_embeddings = {show(tied)} must be true or false.")
+    if heads % kv:
+        raise SpecError(f"{path}: num_attention_heads ({heads}) is not a multiple of "
+                        f"num_key_value_heads ({kv}).")
+    experts = next((get(k) for k in HF_EXPERT_KEYS if config.get(k)), 0) or 0
+    top_k = get("num_experts_per_tok", 0, minimum=0) if experts else 0
+    if experts and not top_k:
+        raise SpecError(f"{path} declares {experts} experts but no num_experts_per_tok (how many "
+                        "experts route each token); add it.")
+    moe_ffn = get("moe_intermediate_size") if experts else 0
+    ffn = get("intermediate_size", required=not experts or moe_ffn is None)
+    if experts and not moe_ffn:  # Mixtral: intermediate_size is the expert width, no dense FFN
+        moe_ffn, ffn = ffn, 0
+    shared = get("n_shared_experts", 0, minimum=0) if experts else 0
+    shared_width = get("shared_expert_intermediate_size", 0, minimum=0) if experts else 0
+    if experts and shared_width and not shared:
+        shared = max(1, round(shared_width / moe_ffn))
+    dense_layers = get("first_k_dense_replace", 0, minimum=0) if experts else 0
+    head_dim = get("head_dim", 0, minimum=0)
+    attn = 0
+    note = ""
+    if config.get("kv_lora_rank"):  # DeepSeek multi-head latent attention
+        q_rank = get("q_lora_rank", 0, minimum=0)
+        kv_rank = get("kv_lora_rank")
+        nope, rope = get("qk_nope_head_dim", 128), get("qk_rope_head_dim", 64)
+        v = get("v_head_dim", 128)
+        q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        attn = q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * hidden
+        head_dim, kv = (nope + rope + v) // 2, heads
+        note = "MLA approximated as MHA (heads of the mean q/k and v width), weights exact"
+    max_pos = get("max_position_embeddings", 0, minimum=0)
+    dims = ModelDims(name=path.parent.name or path.stem, layers=layers, hidden=hidden, heads=heads,
+                     kv_heads=kv, ffn=ffn or 0, vocab=vocab, seq_len=min(max_pos or 4096, 8192),
+                     tied=tied, head_dim=head_dim, experts=experts, top_k=top_k,
+                     shared_experts=shared, expert_ffn=moe_ffn or 0,
+                     dense_layers=min(dense_layers, layers), attn_params=attn, note=note,
+                     source=str(path))
+    if dims.moe and dims.dense_layers and not dims.ffn:
+        raise SpecError(f"{path}: first_k_dense_replace = {dense_layers} dense blocks need "
+                        "intermediate_size (their FFN width).")
+    return dims

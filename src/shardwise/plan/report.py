@@ -1,0 +1,141 @@
+"""What `shardwise plan` prints and writes: the table, the JSON list, and a RunSpec of a layout."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shardwise.plan.cost import Prediction
+from shardwise.plan.search import PlanResult
+from shardwise.spec.cluster import GIB
+from shardwise.spec.load import _toml_value, spec_from_dict, spec_to_toml
+from shardwise.spec.runspec import RunSpec
+
+JSON_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "v", "cp", "ep",
+             "micro_batch", "recompute", "mem_per_rank_bytes", "step_time_s", "tokens_per_s", "mfu")
+
+
+def layouts_json(predictions: list[Prediction]) -> str:
+    return json.dumps([p.as_dict() for p in predictions], indent=2)
+
+
+def _row(rank: str, p: Prediction) -> list[str]:
+    lo = p.layout
+    pipe = "-" if lo.pp == 1 else f"{lo.pp} {lo.schedule}{f' v{lo.v}' if lo.v > 1 else ''}"
+    return [rank, lo.name(), str(lo.zero), str(lo.tp), str(lo.cp), pipe, str(lo.ep),
+            str(lo.micro_batch), lo.recompute, f"{p.memory.total / GIB:.1f}",
+            f"{p.step_time_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}",
+            f"{100 * p.bubble:.0f}", f"{p.exposed_comm_s:.2g}"]
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i not in (1, 5, 8) else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
+
+
+HEADER = ["#", "layout", "zero", "tp", "cp", "pp", "ep", "mb", "recompute", "GiB/rank", "step s",
+          "tokens/s", "MFU %", "bubble %", "exposed comm s"]
+
+
+def human(result: PlanResult, top: int) -> str:
+    c, b, m = result.cluster, result.batch, result.model
+    lines = [f"model    {m.describe()}" + (f"  [{m.note}]" if m.note else ""),
+             f"cluster  {c.name}: {c.nodes} node(s) x {c.devices_per_node} = {c.world:,} devices, "
+             f"{c.memory_bytes / GIB:.1f} GiB each, {c.peak_flops(b.precision, b.tf32) / 1e12:,.4g} "
+             f"TFLOP/s {b.precision}",
+             f"batch    {b.global_batch:,} sequences x {b.seq_len:,} tokens = {b.tokens:,} tokens "
+             f"per step; {b.precision}",
+             f"searched {result.evaluated:,} layouts in {result.elapsed_s:.2f} s "
+             f"({sum(result.pruned.values()):,} pruned); {len(result.feasible):,} fit", ""]
+    if result.feasible:
+        rows = [HEADER] + [_row(str(i + 1), p) for i, p in enumerate(result.top(top))]
+        lines += _table(rows)
+        best = result.feasible[0]
+        if not best.layout.available:
+            ready = next((p for p in result.feasible if p.layout.available), None)
+            lines.append("")
+            lines.append("note: #1 uses context / expert parallel, which shardwise does not run yet"
+                         + (f"; the best it runs today: {ready.layout.name()} ({100 * ready.mfu:.1f} % MFU)"
+                            if ready else "") + ".")
+        if not m.opaque:
+            lines.append(f"layer split of #1 (blocks per stage): {list(best.layer_split)}")
+    if result.rejected:
+        lines += ["", "best layouts that do not fit:"]
+        for p in result.rejected:
+            lines.append(f"  {p.layout.name()} mb{p.layout.micro_batch} {p.layout.recompute}: "
+                         f"{p.tokens_per_s:,.0f} tokens/s ({100 * p.mfu:.1f} % MFU) but "
+                         f"{p.reason}")
+    elif result.closest:
+        lines += ["", "closest degree choices (model state alone does not fit):"]
+        for need, lo in result.closest:
+            lines.append(f"  {lo.name()}: needs {need / GIB:.1f} GiB/rank before activations, "
+                         f"device has {c.memory_bytes / GIB:.1f}")
+    if result.pruned:
+        lines += ["", "pruned: " + "; ".join(f"{why} ({n:,})" for why, n in result.pruned.most_common())]
+    return "\n".join(lines)
+
+
+def spec_for(pred: Prediction, result: PlanResult, base: RunSpec | None) -> RunSpec:
+    """A validated RunSpec running `pred`'s layout: `base` with its parallel, batch and memory
+    sections (and precision and sequence length) replaced, or the defaults with those set."""
+    lo, b, c = pred.layout, result.batch, result.cluster
+    parallel: dict[str, Any] = {
+        "dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "tp": lo.tp, "pp": lo.pp,
+        "cp": lo.cp, "ep": lo.ep, "zero": lo.zero, "sequence_parallel": lo.sequence_parallel,
+        "pp_schedule": lo.schedule if lo.pp > 1 else "1f1b", "pp_virtual_stages": lo.v,
+        # the split by predicted stage cost (the last stage also runs the output layer and loss)
+        "pp_layer_split": list(pred.layer_split) if lo.pp > 1 else [],
+    }
+    if c.nodes == 1:
+        parallel["nproc"] = lo.world
+    if c.cluster.device == "cpu":
+        parallel["device"] = "cpu"
+    sections: dict[str, dict[str, Any]] = base.to_dict() if base is not None else {}
+    sections.setdefault("parallel", {}).update(parallel)
+    sections.setdefault("batch", {}).update(global_batch=b.global_batch, micro_batch=lo.micro_batch)
+    sections.setdefault("memory", {}).update(activation_checkpoint=lo.recompute,
+                                             ac_every=lo.ac_every)
+    sections.setdefault("run", {}).update(precision=b.precision)
+    data = sections.setdefault("data", {})
+    if not str(data.get("source", "")).startswith("py:"):
+        data["seq_len"] = b.seq_len
+    return spec_from_dict(sections, origin="the planned spec").validate()
+
+
+PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero", "sequence_parallel",
+                 "pp_schedule", "pp_virtual_stages", "pp_layer_split")
+
+
+def spec_text(pred: Prediction, result: PlanResult, base: RunSpec | None) -> str:
+    """TOML of `spec_for`'s spec with a header saying what was planned. Without a base RunSpec
+    only the sections and keys the plan decides are written (the model comes from elsewhere)."""
+    spec = spec_for(pred, result, base)
+    lo, m, c = pred.layout, result.model, result.cluster
+    if base is not None:
+        body = spec_to_toml(spec)
+    else:
+        d = spec.to_dict()
+        parallel = [*PARALLEL_KEYS, *(["nproc"] if c.nodes == 1 else []),
+                    *(["device"] if c.cluster.device == "cpu" else [])]
+        chosen = {"run": ["precision"], "data": ["seq_len"],
+                  "batch": ["global_batch", "micro_batch"], "parallel": parallel,
+                  "memory": ["activation_checkpoint", "ac_every"]}
+        body = "\n".join(f"[{sec}]\n" + "\n".join(f"{k} = {_toml_value(d[sec][k])}" for k in keys)
+                         + "\n" for sec, keys in chosen.items())
+    header = [
+        f"# written by `shardwise plan`: {m.name} on {c.name} x {c.nodes} node(s) "
+        f"({c.world:,} devices)",
+        f"# layout {lo.name()}: predicted {pred.memory.total / GIB:.1f} GiB/rank, step "
+        f"{pred.step_time_s:.3g} s, {pred.tokens_per_s:,.0f} tokens/s, {100 * pred.mfu:.1f} % MFU",
+    ]
+    if base is None:
+        origin = f"the preset {m.name}" if m.source == "preset" else m.source
+        header.append(f"# no [model] section: the model came from {origin}; add its [model] and "
+                      "[data] sections to train it")
+    if c.nodes > 1:
+        header.append(f"# {c.nodes} nodes: start it under torchrun --nnodes {c.nodes} "
+                      f"--nproc-per-node {c.devices_per_node} (the world is their product)")
+    if not lo.available:
+        header.append("# cp / ep > 1: this version of shardwise does not run them yet")
+    return "\n".join(header) + "\n\n" + body
