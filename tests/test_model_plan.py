@@ -256,9 +256,9 @@ def test_a_pipeline_layer_split_is_checked_against_the_model(small_corpus, tmp_p
     check([3, 1], pp=2, dp_shard=1)
     for split, parallel, message in (
             ([2, 1], {"pp": 2, "dp_shard": 1}, "places 3 blocks, but the model has 4"),
-            ([4], {"pp": 2, "dp_shard": 1}, "has 1 entries but there are pp x"),
-            ([2, 2], {"dp_shard": 2}, "only applies to pipeline parallel")):
+            ([4], {"pp": 2, "dp_shard": 1}, "has 1 entries but there are pp x")):
         with pytest.raises(SpecError, match=message):
             check(split, **parallel)
+    check([2, 2], dp_shard=2)  # like pp_schedule, unused without pipeline parallel (verify grids)
     with pytest.raises(SpecError, match="gives a stage no blocks"):
         spec.replace("parallel", pp_layer_split=(4, 0)).validate()

@@ -38,9 +38,6 @@ def check_layout(spec: RunSpec, dims: ParallelDims, plan: ModelPlan, accumulatio
             "\"none\", or name the blocks (`blocks` in the model's plan).")
     if dims.pp > 1:
         _check_pipeline(spec, dims, plan, accumulation)
-    elif par.pp_layer_split:
-        raise SpecError(f"parallel.pp_layer_split = {list(par.pp_layer_split)} only applies to "
-                        "pipeline parallel (pp > 1). Remove it, or set parallel.pp.")
     elif par.pp_virtual_stages != 1:
         raise SpecError(f"parallel.pp_virtual_stages = {par.pp_virtual_stages} only applies to "
                         "pipeline parallel (pp > 1). Set it to 1.")

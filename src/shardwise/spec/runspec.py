@@ -269,7 +269,8 @@ class ParallelSection:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved-1f1b needs >= 2)
     # blocks per pipeline stage, first to last (pp x pp_virtual_stages entries summing to the
-    # model's blocks), e.g. what `shardwise plan` chose by predicted stage cost; () -> balanced
+    # model's blocks), e.g. what `shardwise plan` chose by predicted stage cost; () -> balanced;
+    # unused when pp = 1, like pp_schedule (so one spec serves a verify grid)
     pp_layer_split: tuple[int, ...] = ()
     # local workers started by `shardwise train` (ignored under torchrun); 0: one per visible GPU
     # when CUDA is present, else 2
