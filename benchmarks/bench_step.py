@@ -8,6 +8,10 @@ Configurations (`--configs`, default `single,ddp2,fsdp2`; `all` runs all five):
   zero3   world 2 on gloo: shardwise `parallel.dp_shard=2, zero=3` vs torch FSDP2 with shardwise's
           own resharding plan (every block but the last resharded after forward, root too), so
           the ratio is framework overhead only
+  hf-fsdp2  world 2 on gloo: a Hugging Face Llama (`model.family = "hf"`, the config in
+          `hf_llama`: the base spec's width and depth) under shardwise `parallel.dp_shard=2` vs the
+          same transformers `LlamaForCausalLM` (same weights) in the plain FSDP2 loop:
+          `fully_shard` per decoder layer + root, HF's own forward, F.cross_entropy
   tp2sp   world 2 on gloo: shardwise `parallel.tp=2, dp_shard=1` (sequence + loss parallel) vs a
           plain DTensor `parallelize_module` script with the same plan written out by hand
           (`tp_plan` below); both with `model.tie_embeddings=false`
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import json
 import os
 import platform
 import shlex
@@ -71,6 +76,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatches, prepare_data
 from shardwise.models import build_model
+from shardwise.models.plan import unique_params
 from shardwise.parallel.distributed import init_distributed
 from shardwise.run.optim import lr_at
 from shardwise.run.trainer import Trainer
@@ -84,10 +90,22 @@ CONFIGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "ddp2": (2, {"dp_replicate": 2, "dp_shard": 1}, {}),
     "fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}, {}),
     "zero3": (2, {"dp_replicate": 1, "dp_shard": 2, "zero": 3}, {}),
+    "hf-fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}, {"family": "hf"}),
     "tp2sp": (2, {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "sequence_parallel": True,
                   "loss_parallel": True}, {"tie_embeddings": False}),
 }
 DEFAULT_CONFIGS = "single,ddp2,fsdp2"
+
+
+def hf_llama(model: Any) -> dict[str, Any]:
+    """A transformers Llama shaped like the base spec's GPT (SwiGLU width 8/3 d, rounded)."""
+    ffn = model.ffn_hidden or (int(8 * model.d_model / 3) + 63) // 64 * 64
+    return {"family": "hf", "hf_config": {
+        "model_type": "llama", "hidden_size": model.d_model, "intermediate_size": ffn,
+        "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads, "max_position_embeddings": 4096,
+        "tie_word_embeddings": model.tie_embeddings, "rope_theta": model.rope_theta,
+        "rms_norm_eps": model.norm_eps}}
 
 #: Applied to every spec: the trainer runs steps only (no eval, checkpoint, sample, sinks).
 BENCH_OVERRIDES = [
@@ -156,9 +174,15 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
     torch.manual_seed(spec.run.seed)
     opt_spec = spec.optimizer
     model = build_model(spec.model, data.vocab_size, spec.data.seq_len, spec.run.seed)
-    fsdp = config in ("fsdp2", "zero3")
+    fsdp = config in ("fsdp2", "zero3", "hf-fsdp2")
     tp = config == "tp2sp"
-    if config == "ddp2":
+    if config == "hf-fsdp2":  # the transformers model itself, same weights, HF's forward
+        hf = model.to_hf()
+        for block in hf.model.layers:
+            fully_shard(block)
+        fully_shard(hf)
+        model = _LogitsOf(hf)
+    elif config == "ddp2":
         model = DDP(model)
     elif config == "fsdp2":
         for block in model.layers.values():
@@ -225,6 +249,20 @@ def baseline_run(spec: RunSpec, data: PreparedData, config: str, rank: int, worl
         dist.all_reduce(losses)
         losses /= world
     return times, losses.tolist()
+
+
+class _LogitsOf(torch.nn.Module):
+    """HF's forward, logits out (no labels: the loss is the loop's own cross entropy)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=x, use_cache=False).logits
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.hf.set_requires_gradient_sync(sync)
 
 
 def tp_plan(n_layers: int) -> dict[str, Any]:
@@ -422,9 +460,11 @@ def config_notes(configs: list[str], specs: dict[str, RunSpec], data: PreparedDa
         model = CONFIGS[config][2]
         if model:
             spec = specs[config]
-            params = build_model(spec.model, data.vocab_size, spec.data.seq_len,
-                                 spec.run.seed).num_params()
-            changes = ", ".join(f"model.{k}={str(v).lower()}" for k, v in model.items())
+            params = unique_params(build_model(spec.model, data.vocab_size, spec.data.seq_len,
+                                               spec.run.seed))
+            changes = ", ".join(f"model.{k}={str(v).lower()}" for k, v in model.items()) \
+                if model.get("family") != "hf" else \
+                f"transformers Llama {json.dumps(spec.model.hf_config)}"
             notes.append(f"{config}: {changes} ({params / 1e6:.2f} M params)")
     return notes
 
@@ -474,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = {}
     for config in configs:
         world, parallel, model = CONFIGS[config]
+        if model.get("family") == "hf":
+            model = hf_llama(base_spec.model)
         spec = base_spec.replace("parallel", nproc=world, **parallel)
         specs[config] = (spec.replace("model", **model) if model else spec).validate()
         # fail early, with shardwise's message, on a batch that does not split over the ranks

@@ -45,6 +45,10 @@ def test_manifest_records_the_run_and_its_lineage(small_corpus, tmp_path, capsys
     assert main(["inspect", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "resumed from" in out and "step-000002" in out and resumed.digest()[:16] in out
+    recorded = json.loads((run_dir / "manifest.json").read_text())["environment"]["container"]
+    shown = f"{recorded['image'] or 'unnamed image'} ({recorded['runtime']})" if recorded \
+        else "none (not in a container)"  # the CI machines are Docker containers
+    assert f"container      {shown}" in out
     assert main(["inspect", str(checkpoint), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == manifest
     assert main(["inspect", str(checkpoint), str(run_dir), "--json"]) == 0

@@ -1,6 +1,7 @@
 """The planner's memory model against real runs on this machine (gloo, CPU, fp32): model-state bytes
 per rank within 5 % of what the `model_state` event measures, for ZeRO-0 (DDP), 1, 2 and 3 at world
-2 and 4, and the peak within 15 %; and `shardwise plan --calibrate` on such runs.
+2 and 4, and the peak within 15 % (at world 4 the median rank's); and `shardwise plan --calibrate`
+on such runs.
 
 The peak on a CPU is the process's resident set (VmHWM), which also holds Python, torch and gloo
 (~320 MB per worker): what is compared is the increment the model explains — the peak minus the
@@ -16,6 +17,7 @@ peak RSS is not reset between runs). `pytest -m grid`: world 4 in fresh processe
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -61,12 +63,18 @@ def check_state(run_dir: Path) -> None:
             assert abs(want - got) <= STATE_TOLERANCE * got, (run.layout.name(), key, rank, want, got)
 
 
-def check_peak(run_dir: Path) -> float:
+def check_peak(run_dir: Path, *, median: bool = False) -> float:
+    """The prediction against the fullest rank's increment, or with `median` against the median
+    rank's: at world 4 on 2 cores glibc's placement moves single ranks by up to ~20 % between runs
+    (measured per rank in fresh processes: 141-175 MB for one ZeRO-2 run, 153-202 MB for the
+    fullest rank of ZeRO-3 across runs), and the data-parallel ranks hold the same bytes."""
     run, mem = predicted(run_dir)
     assert run.peak_is_increment and run.peak_bytes
     want = mem.total - mem.overhead
-    error = (want - run.peak_bytes) / run.peak_bytes
-    assert abs(error) <= PEAK_TOLERANCE, (run.layout.name(), want, run.peak_bytes, mem.as_dict())
+    got = statistics.median(run.peak_bytes_per_rank) if median else run.peak_bytes
+    error = (want - got) / got
+    assert abs(error) <= PEAK_TOLERANCE, (run.layout.name(), want, got,
+                                          run.peak_bytes_per_rank, mem.as_dict())
     return error
 
 
@@ -106,7 +114,7 @@ def test_model_state_at_world_4(world4_shared: dict[int, Path], zero: int) -> No
 def test_peak_at_world_4_in_fresh_ranks(small_corpus: Path, tmp_path: Path, zero: int) -> None:
     run_ranks(train, 4, measured_spec(small_corpus, tmp_path / "run", 4, zero), timeout=300)
     check_state(tmp_path / "run")
-    check_peak(tmp_path / "run")
+    check_peak(tmp_path / "run", median=True)
 
 
 # --- calibration ---------------------------------------------------------------------------------
@@ -124,6 +132,11 @@ def test_calibrate_reports_errors_and_writes_params_the_planner_reads(
         assert row["step_time_s"]["measured"] > 0
     before, after = out["step_time_mape"]["before"], out["step_time_mape"]["after"]
     assert after <= before + 1e-9  # the fit starts from the current parameters' grid cell
+    # leave-one-out: each configuration predicted by a fit on the other two
+    assert out["step_time_mape"]["loo"] is not None and out["step_time_mape"]["loo"] >= 0
+    assert all(row["step_time_s"]["loo"] > 0 for row in out["runs"])
+    assert set(out["step_time_spearman"]) == {"before", "after", "loo", "configurations"}
+    assert out["step_time_spearman"]["configurations"] == 3
     fitted = out["params_after"]
     assert 0 < fitted["efficiency"] <= 1 and 0 <= fitted["overlap"] <= 1
     # the file it wrote is what --params reads back
@@ -135,6 +148,7 @@ def test_calibrate_reports_errors_and_writes_params_the_planner_reads(
     assert main(["plan", "--calibrate", *runs]) == 0
     text = capsys.readouterr().out
     assert "zero3-2" in text and "mean absolute error" in text and "fitted" in text
+    assert "leave-one-out" in text and "Spearman" in text
     # and the planner itself takes the file
     assert main(["plan", "--model", "gpt-default", "--cluster", "cpu-local", "--params",
                  str(params), "--json", "--top", "1"]) == 0

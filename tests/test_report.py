@@ -52,6 +52,10 @@ def _step(step: int, t: float, loss: Any, world: int = 4, slow: int | None = 2) 
         "peak_mem_bytes_per_rank": [3 * 2**30 + r * 2**28 for r in range(world)],
         "bubble_fraction": 0.18, "bubble_fraction_theory": 0.2,
         "loss_scale": 65536.0 / (2 if step > 4 else 1),
+        "moe_load_min": 40.0 - step, "moe_load_mean": 64.0, "moe_load_max": 90.0 + step,
+        "moe_load_cv": 0.3 - 0.02 * step, "moe_aux_loss": 1.2 - 0.01 * step,
+        "moe_dropped": 3.0, "moe_dropped_fraction": 0.0117, "moe_bias_abs_max": 0.001 * step,
+        "moe_bias_abs_mean": 0.0005 * step,
     }
 
 
@@ -195,6 +199,7 @@ def test_synthetic_run_report_has_summary_and_every_plot(tmp_path, capsys):
     assert rows["launches"] == ["2 (1 resumed, 1 restart events)"]
     assert rows["faults"] == ["1 straggler, 1 hang, 1 nonfinite, 1 rollback, 1 checkpoint rejected"]
     assert rows["wall time"] == ["13.0 s over 2 launches"]  # 9 s + 4 s: the downtime is not counted
+    assert rows["expert balance"] == ["load CV 0.140, balance loss 1.120, 1.2 % dropped"]
     # self-contained: no script, no fetch of anything
     assert "<script" not in html and "http://" not in html and "https://" not in html
     # the re-run after the rollback replaces the first try of steps 5 and 6
@@ -221,6 +226,8 @@ def test_old_or_crashed_run_omits_plots_with_reasons(tmp_path, capsys):
     assert "comm_by_op" in page.omitted["plot-comm"]
     assert "peak_mem_bytes" in page.omitted["plot-memory"]
     assert "no checkpoint event" in page.omitted["plot-checkpoint"]
+    assert "not a mixture-of-experts run" in page.omitted["plot-experts"]
+    assert page.rows["expert balance"] == ["—"]
     text = "".join(page.text)
     assert "MFU: not recorded by this run" in text and "cut off" in text
     assert page.rows["mean MFU"] == ["—"] and page.rows["goodput"] == ["—"]

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import types
 import typing
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def test_defaults_load_and_validate():
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             assert value == default, f"{section.name}.{f.name}"
             want = typing.get_origin(hints[f.name]) or hints[f.name]
+            if isinstance(hints[f.name], types.UnionType):  # model.hf_config: str | dict
+                want = typing.get_args(hints[f.name])[0]
             assert type(value) is want, f"{section.name}.{f.name}"
     # the defaults whose meaning other code relies on (tunable numbers are not pinned here)
     assert spec.run.stop_at == 0
@@ -367,11 +370,28 @@ def test_cli_world_size_not_divisible(capsys, tiny_toml):
     assert_user_error(result, "world size 3 is not divisible", "= 2")
 
 
-@pytest.mark.parametrize(("degree", "what"), [("cp", "context parallel"),
-                                               ("ep", "expert parallel")])
-def test_cli_degree_not_available_yet(capsys, tiny_toml, degree, what):
-    result = cli(capsys, str(tiny_toml), "--nproc", "2", "--set", f"parallel.{degree}=2")
-    assert_user_error(result, f"parallel.{degree} = 2", what, "not available yet")
+def test_cli_expert_parallel_needs_experts(capsys, tiny_toml):
+    result = cli(capsys, str(tiny_toml), "--nproc", "2", "--set", "parallel.dp_replicate=2",
+                 "--set", "parallel.dp_shard=1", "--set", "parallel.ep=2")
+    assert_user_error(result, "parallel.ep = 2", "declares no `experts`", "moe-gpt")
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["parallel.ep=3"], "parallel.ep = 3 must divide the ranks it borrows from"),
+    (["parallel.ep=3", "parallel.cp=2", "parallel.dp_shard=2"],
+     "dp_replicate(1) * dp_shard(2) * cp(2) = 4"),
+    (["model.moe_experts=6", "parallel.ep=4"], "ep = 4 does not divide the model's 6 experts"),
+    (["parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=2"], "not available yet"),
+    (["model.moe_routing=\"capacity\"", "model.moe_capacity_factor=1.0", "parallel.cp=2",
+      "parallel.dp_shard=2"], "capacity routing"),
+])
+def test_cli_bad_expert_layouts(capsys, small_corpus, tmp_path, sets, message):
+    moe = {"family": "moe-gpt", "moe_experts": 4, "moe_top_k": 2}
+    toml = write_toml(tmp_path / "moe.toml", tiny_spec_dict(small_corpus, tmp_path / "run",
+                                                             model=moe))
+    args = [a for s in sets for a in ("--set", s)]
+    result = cli(capsys, str(toml), "--nproc", "4", *args)
+    assert_user_error(result, message)
 
 
 def test_cli_missing_data_path(capsys, tiny_toml):

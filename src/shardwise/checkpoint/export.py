@@ -13,6 +13,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,6 +31,41 @@ def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) ->
     `spec`: the run's spec (what `shardwise.run.rundir.load_run_spec` reads from its directory)."""
     from safetensors.torch import save_file
 
+    model, data, spec = consolidated(checkpoint, spec)
+    state = {k: v for k, v in model.state_dict().items()}
+    tied = plan_of(model).tied
+    copies = {name for group in tied for name in group[1:]}
+    # safetensors stores a shared tensor once: one tensor per tied group, under its first name
+    tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in copies}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {"vocab_size": data.vocab_size, "seq_len": spec.data.seq_len,
+              **dataclasses.asdict(spec.model), "tied": [list(g) for g in tied],
+              "source": model_source(spec.model.family, spec.model),
+              "checkpoint": str(checkpoint),
+              "step": json.loads((checkpoint / META).read_text())["step"]}
+    model_file = out_dir / "model.safetensors"
+    save_file(tensors, str(model_file), metadata={"format": "pt", "shardwise_config":
+                                                  json.dumps(config)})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if data.tokenizer_path is not None:
+        shutil.copy2(data.tokenizer_path, out_dir / "tokenizer.json")
+    return model_file
+
+
+def export_hf_dir(checkpoint: Path, out_dir: Path, spec: RunSpec | None, dtype: str = "") -> Path:
+    """Write a `from_pretrained` directory for a run of a Hugging Face model."""
+    from shardwise.checkpoint.hf import export_hf
+
+    if spec is not None and spec.model.family != "hf":
+        raise UserError(f"--format hf exports Hugging Face models (model.family = \"hf\"); "
+                        f"this run's model is {spec.model.family!r}. Use --format safetensors.")
+    model, data, spec = consolidated(checkpoint, spec)
+    return export_hf(model, out_dir, spec.model, data.tokenizer_path, dtype)
+
+
+def consolidated(checkpoint: Path, spec: RunSpec | None) -> tuple[torch.nn.Module, Any, RunSpec]:
+    """The run's model, built whole in this process, with the checkpoint's parameters (read with
+    DCP without a process group, resharded from whatever layout wrote them)."""
     if not (checkpoint / META).is_file():
         raise UserError(f"{checkpoint} is not a checkpoint (no {META}). Pass a directory like "
                         "runs/NAME/checkpoints/step-000500.")
@@ -48,23 +84,7 @@ def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) ->
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
-    tied = plan_of(model).tied
-    copies = {name for group in tied for name in group[1:]}
-    # safetensors stores a shared tensor once: one tensor per tied group, under its first name
-    tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in copies}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = {"vocab_size": data.vocab_size, "seq_len": spec.data.seq_len,
-              **dataclasses.asdict(spec.model), "tied": [list(g) for g in tied],
-              "source": model_source(spec.model.family),
-              "checkpoint": str(checkpoint),
-              "step": json.loads((checkpoint / META).read_text())["step"]}
-    model_file = out_dir / "model.safetensors"
-    save_file(tensors, str(model_file), metadata={"format": "pt", "shardwise_config":
-                                                  json.dumps(config)})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    if data.tokenizer_path is not None:
-        shutil.copy2(data.tokenizer_path, out_dir / "tokenizer.json")
-    return model_file
+    return model, data, spec
 
 
 def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
@@ -82,3 +102,16 @@ def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
             tensors[name] = tensors[group[0]]
     model.load_state_dict(tensors, strict=True)
     return model, config
+
+
+def newest_checkpoint(path: Path) -> Path:
+    """`path` itself, or for a run directory its newest checkpoint that verifies."""
+    if (path / META).is_file() or not (path / "checkpoints").is_dir():
+        return path
+    steps = sorted((d for d in (path / "checkpoints").glob("step-*") if (d / META).is_file()),
+                   reverse=True)
+    for step in steps:
+        if verify(step, 0, 1, False).valid:
+            return step
+    raise UserError(f"{path} has no checkpoint that verifies (in {path / 'checkpoints'}). Train "
+                    "with checkpoint.enabled = true, or pass a checkpoint directory.")

@@ -9,7 +9,6 @@ object-store prefix, see `shardwise.checkpoint.storage`); listing and reading go
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +16,11 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint.storage import META, Location, list_files
+from shardwise.utils.files import sha256_file
 
 __all__ = ["META", "Verdict", "checkpoint_files", "hash_files", "sha256_file", "sizes_match", "verify"]
 
 
-def sha256_file(path: Location) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoint_files(directory: Location) -> list[str]:

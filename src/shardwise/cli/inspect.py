@@ -84,6 +84,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _container(info: dict[str, Any] | None) -> str:
+    """The image a run ran in (the manifest records it; its torch decides the numbers)."""
+    if not info:
+        return "none (not in a container)"
+    return f"{info.get('image') or 'unnamed image'} ({info.get('runtime') or 'unknown runtime'})"
+
+
 def _readable(m: dict[str, Any]) -> str:
     topo, code, env, data = m["topology"], m["code"], m["environment"], m["data"]
     lines = [
@@ -98,6 +105,7 @@ def _readable(m: dict[str, Any]) -> str:
         f"{env['packages_count']} packages (sha256 {env['packages_sha256'][:12]}…)",
         f"topology       {topo['layout']}  world {topo['world_size']}  mesh "
         + " ".join(f"{k}={v}" for k, v in topo["mesh"].items()),
+        f"container      {_container(env.get('container'))}",
         f"hosts          {', '.join(topo['hosts'])}",
         f"devices        {', '.join(sorted(set(topo['devices'])))}",
     ]

@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch whose results do not change with the layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from shardwise.cli import export, inspect, plan, report, train, verify
+    from shardwise.cli import export, inspect, launch, plan, report, status, train, verify
 
     train.add_parser(sub)
     plan.add_parser(sub)
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub)
     export.add_parser(sub)
     report.add_parser(sub)
+    launch.add_parser(sub)
+    status.add_parser(sub)
     return parser
 
 

@@ -1,8 +1,10 @@
 """`shardwise plan --model NAME|FILE --cluster NAME|FILE`: choose the layout before booking the cluster.
 
 `shardwise plan --calibrate RUN_DIR...`: the planner's error on runs that happened, and the
-efficiency and overlap that fit their step times (`shardwise.plan.calibrate`); `--write-params`
-saves the fitted `CostParams`, `--params` uses them (in planning and in calibration).
+efficiency, overlap and framework-overhead coefficients that fit their step times
+(`shardwise.plan.calibrate`), with the fit's error in-sample and leave-one-out (each
+configuration predicted by a fit made without it); `--write-params` saves the fitted
+`CostParams`, `--params` uses them (in planning and in calibration).
 
 Exit codes: 0 with layouts that fit; 1 when none fits (with the smallest node count that would);
 2 for a malformed cluster, model or parameters file, an unknown preset, a batch that cannot be
@@ -12,6 +14,7 @@ formed, or a run directory that cannot be calibrated on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -53,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "built-in CostParams)")
     p.add_argument("--calibrate", nargs="+", default=None, metavar="RUN_DIR",
                    help="predict these finished runs, print the prediction error (memory and "
-                        "step time) and fit efficiency and overlap to their step times")
+                        "step time) and fit efficiency, overlap and the framework overheads to "
+                        "their step times, scored in-sample and leave-one-out")
     p.add_argument("--write-params", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted CostParams as TOML")
     p.set_defaults(handler=run)
@@ -133,7 +137,8 @@ def _params(args: argparse.Namespace):
 
 
 def calibrate(args: argparse.Namespace, params) -> int:
-    """`--calibrate`: every run predicted with `params`, the errors, the fit, the errors after."""
+    """`--calibrate`: every run predicted with `params`, the errors, the fit, the errors after,
+    in-sample and leave-one-out."""
     import dataclasses
     import json
 
@@ -147,19 +152,28 @@ def calibrate(args: argparse.Namespace, params) -> int:
         dims, _ = _from_runspec(run.path / "spec.toml")
         cases.append((run, dims, cal.cluster_for(base, run.world, cpu_local)))
     before = [cal.evaluate(r, m, c, params) for r, m, c in cases]
-    fitted = cal.fit(cases, params)
+    predictions = cal.PredictionCache(cases)
+    fitted = cal.fit(cases, params, predictions)
     after = [cal.evaluate(r, m, c, fitted) for r, m, c in cases]
+    loo = cal.leave_one_out(cases, params, predictions)
+    loo_err = loo.errors(cases) if loo else [None] * len(cases)
     mape = {
         "model_state": cal.mean_abs([e.model_state_error for e in before]),
         "peak": cal.mean_abs([e.peak_error for e in before]),
     }
     step = {"before": cal.mean_abs([e.step_time_error for e in before]),
-            "after": cal.mean_abs([e.step_time_error for e in after])}
+            "after": cal.mean_abs([e.step_time_error for e in after]),
+            "loo": cal.mean_abs(loo_err) if loo else None}
+    rho = {"before": cal.config_spearman(cases, [e.step_time_pred for e in before]),
+           "after": cal.config_spearman(cases, [e.step_time_pred for e in after]),
+           "loo": cal.config_spearman(cases, loo.step_time_pred) if loo else None,
+           "configurations": len({cal.config_key(r) for r in runs})}
     if args.write_params:
         path = Path(args.write_params).expanduser()
         header = [f"written by `shardwise plan --calibrate` from {len(runs)} run(s) on "
                   f"{base.name}: step-time mean absolute error {100 * step['before']:.1f} % "
-                  f"before, {100 * step['after']:.1f} % after",
+                  f"before, {100 * step['after']:.1f} % after (in-sample)"
+                  + (f", {100 * step['loo']:.1f} % leave-one-out" if loo else ""),
                   *(f"  {r.path}" for r in runs)]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,23 +183,30 @@ def calibrate(args: argparse.Namespace, params) -> int:
                             "path.") from None
     if args.json:
         rows = []
-        for b, a in zip(before, after, strict=True):
+        for i, (b, a) in enumerate(zip(before, after, strict=True)):
             row = b.as_dict()
             row["step_time_s"]["fitted"] = a.step_time_pred
             row["step_time_s"]["error_fitted"] = a.step_time_error
+            row["step_time_s"]["loo"] = loo.step_time_pred[i] if loo else None
+            row["step_time_s"]["error_loo"] = loo_err[i]
+            row["overhead_s"] = {"predicted": b.prediction.overhead_s,
+                                 "fitted": a.prediction.overhead_s}
             rows.append(row)
         print(json.dumps({"cluster": base.name, "runs": rows, "mape": mape,
-                          "step_time_mape": step, "params_before": dataclasses.asdict(params),
+                          "step_time_mape": step, "step_time_spearman": rho,
+                          "params_before": dataclasses.asdict(params),
                           "params_after": dataclasses.asdict(fitted)}, indent=2))
     else:
-        print(_calibration_text(base.name, before, after, mape, step, params, fitted))
+        print(_calibration_text(base.name, before, after, loo_err, mape, step, rho, params,
+                                fitted))
     if args.write_params:
         print(f"wrote {args.write_params}: use it with `shardwise plan --params "
               f"{args.write_params}`", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def _calibration_text(cluster: str, before, after, mape, step, params, fitted) -> str:
+def _calibration_text(cluster: str, before, after, loo_err, mape, step, rho, params,
+                      fitted) -> str:
     def pct(x) -> str:
         return "-" if x is None else f"{100 * x:+.1f}%"
 
@@ -193,9 +214,9 @@ def _calibration_text(cluster: str, before, after, mape, step, params, fitted) -
         return "-" if x is None else f"{x / 2**20:,.1f}"
 
     head = ["run", "layout", "state MiB pred/meas", "err", "peak MiB pred/meas", "err",
-            "step s pred/fitted/meas", "err before", "after"]
+            "step s pred/fitted/meas", "err before", "after", "loo"]
     rows = [head]
-    for b, a in zip(before, after, strict=True):
+    for b, a, lo in zip(before, after, loo_err, strict=True):
         r = b.run
         rows.append([r.path.name, f"{r.layout.name()} mb{r.layout.micro_batch}"
                      + (f" {r.layout.recompute}" if r.layout.recompute != "none" else ""),
@@ -203,7 +224,7 @@ def _calibration_text(cluster: str, before, after, mape, step, params, fitted) -
                      pct(b.model_state_error), f"{mib(b.peak_pred)}/{mib(r.peak_bytes)}",
                      pct(b.peak_error),
                      f"{b.step_time_pred:.3g}/{a.step_time_pred:.3g}/{r.step_time_s:.3g}",
-                     pct(b.step_time_error), pct(a.step_time_error)])
+                     pct(b.step_time_error), pct(a.step_time_error), pct(lo)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [f"calibrating on {len(before)} run(s), cluster {cluster} (peak on a CPU: peak RSS "
              "minus RSS before the model, against the prediction less its runtime overhead)", ""]
@@ -214,11 +235,23 @@ def _calibration_text(cluster: str, before, after, mape, step, params, fitted) -
     def mean(x) -> str:
         return "-" if x is None else f"{100 * x:.1f} %"
 
+    def corr(x) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    changed = [f"{f.name} {getattr(params, f.name):.3g} -> {getattr(fitted, f.name):.3g}"
+               for f in dataclasses.fields(params)
+               if f.name not in ("efficiency", "overlap")
+               and getattr(params, f.name) != getattr(fitted, f.name)]
     lines += ["", f"mean absolute error: model state {mean(mape['model_state'])}, peak "
                   f"{mean(mape['peak'])}; step time {mean(step['before'])} before fitting, "
-                  f"{mean(step['after'])} after",
+                  f"{mean(step['after'])} after (in-sample), {mean(step['loo'])} leave-one-out",
+              f"Spearman of step time over {rho['configurations']} configuration(s): "
+              f"{corr(rho['before'])} before fitting, {corr(rho['after'])} after (in-sample), "
+              f"{corr(rho['loo'])} leave-one-out (each configuration, with its repeats, "
+              "predicted by a fit made without it)",
               f"fitted: efficiency {params.efficiency:.3g} -> {fitted.efficiency:.3g}, overlap "
-              f"{params.overlap:.3g} -> {fitted.overlap:.3g} (least squares on log step time)"]
+              f"{params.overlap:.3g} -> {fitted.overlap:.3g}"
+              + "".join(f", {c}" for c in changed) + " (least squares on log step time)"]
     return "\n".join(lines)
 
 

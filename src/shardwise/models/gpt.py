@@ -9,6 +9,7 @@ its modules.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -95,11 +97,17 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core (the plan's `attention_fn`, which context parallel swaps): causal
+    SDPA of q (B, H, T, D) against k/v (B, H_kv, T, D), each K/V head shared by H/H_kv heads."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class FeedForward(nn.Module):
@@ -129,12 +137,15 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, block: Callable[[], nn.Module] | None = None) -> None:
+        """`block`: builds one block (default the dense TransformerBlock; the MoE GPT passes
+        its MoE block), so every GPT variant shares this construction order and init."""
         super().__init__()
         self.cfg = cfg
+        make_block = block or (lambda: TransformerBlock(cfg))
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # A ModuleDict keyed "0".."L-1" keeps names stable when a pipeline stage drops layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): make_block() for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -156,18 +167,23 @@ class GPT(nn.Module):
             else:
                 p.normal_(0.0, std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq).
 
+        `positions` (int64, (seq,)): the true positions of the tokens when they are not 0..seq-1
+        (context parallel gives each rank non-contiguous chunks); the rotary angles follow them.
         A pipeline stage is this model with some parts removed (set to None): without
         `tok_embeddings` it takes hidden states, without `output` it returns them.
         """
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds the model's "
                              f"seq_len {self.cfg.seq_len}")
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
@@ -229,5 +245,6 @@ class GPT(nn.Module):
                 "output": "output"},
             stages=Stages(first=("tok_embeddings",), last=("norm", "output")),
             attention="layers.*.attention",
+            positions="positions",
             flop_counts=self.flop_counts(),
         )

@@ -14,7 +14,9 @@
   `full_input` (a module, typically the attention, whose own code must see every token: its first
   input is gathered along the sequence once, and the column-parallel modules inside it take it
   as it is; column-parallel modules elsewhere gather their own input, once for siblings that
-  take the same tensor). Empty: the model has no tensor-parallel plan and tp > 1 is refused.
+  take the same tensor), `replicated` (a module whose weight every tp rank holds whole but
+  which sees only this rank's heads, like Qwen3's per-head q/k norms: its gradient is summed over
+  tp). Empty: the model has no tensor-parallel plan and tp > 1 is refused.
 - `stages`: how a pipeline stage is cut — the modules only the first stage runs (before the
   blocks) and only the last (after them). A stage is the model with the other stages' blocks
   removed and those modules set to None, so parameter names are the same at every pp degree; the
@@ -25,11 +27,31 @@
   every layout; under pipeline parallel, where a group's members live on different stages, their
   gradients are summed across those stages.
 - `attention`, `experts`: patterns of the attention and expert modules (for context and expert
-  parallel).
+  parallel). Context parallel replaces the attention core of each `attention` module: the module
+  computes it through its attribute `attention_fn(q, k, v)` (causal; q (B, H, T, D), k/v
+  (B, H_kv, T, D), K/V heads not repeated), which `shardwise.parallel.context` swaps.
+  Each `experts` module holds E experts as parameters whose dim 0 is the expert index, and its
+  `forward(tokens, counts)` takes tokens sorted by expert (`counts[e]` for expert e, int64 (E,))
+  and returns their outputs in that order; expert parallel keeps E/N experts per rank and
+  exchanges the tokens around it (`shardwise.parallel.expert`). Under tensor parallel an MoE
+  feed-forward is a `tokens` module: whole on every tp rank, run on every token of the
+  micro-batch (gathered along the sequence under sequence parallel); expert parallel with tp is
+  not available yet.
+- Auxiliary losses (an MoE router's balance loss) are not declared here: a module adds its term
+  inside forward with `shardwise.models.aux_loss.add_aux_loss`, on the loss's own path. Module
+  state that changes outside gradients (an MoE selection bias) is updated by the module's
+  `shardwise_end_step(sum_over_data, updated)`, called after every optimizer step.
+- `positions`: the keyword argument of the model's forward that takes the true positions (int64,
+  (T,)) of the tokens it is given, e.g. "positions" or "position_ids"; context parallel passes
+  them, since each rank holds non-contiguous chunks of every sequence. Empty: cp > 1 is refused.
 - `loss`: None for next-token cross entropy on (logits, targets); or a function of (outputs,
   targets) returning the sum of the per-target losses over real targets (ignore index -100), so
   that shardwise divides once by the step's global count of real targets.
 - `shape`: the torch-free summary FLOPs, memory and the planner work from.
+
+A module with an attribute `sequence_shards` is told, under sequence parallel, by how many ways
+the hidden states between blocks are split along the sequence (a model that derives positions
+from its input's length on a pipeline stage needs it).
 
 A model declares its plan with a `shardwise_plan()` method, or a builder attaches one with
 `attach_plan(module, plan)`.
@@ -48,7 +70,8 @@ from shardwise.utils.constants import IGNORE_INDEX
 __all__ = ["IGNORE_INDEX", "TP_STYLES", "LossFn", "ModelPlan", "ModelShape", "PlanError", "Stages",
            "attach_plan", "described", "find_tied", "plan_of", "unique_params"]
 
-TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence", "full_input")
+TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence", "full_input", "replicated",
+             "tokens")
 _ATTR = "_shardwise_plan"
 
 
@@ -65,7 +88,9 @@ class ModelShape:
     ffn: int = 0
     vocab: int = 0
     seq_len: int = 0
-    experts: int = 0
+    experts: int = 0  # routed experts per MoE layer (ffn is then one expert's width)
+    top_k: int = 0  # routed experts a token uses
+    shared_experts: int = 0  # experts every token uses
 
 
 @dataclass(frozen=True)
@@ -88,8 +113,12 @@ class ModelPlan:
     tied: tuple[tuple[str, ...], ...] = ()
     attention: str = ""
     experts: str = ""
+    positions: str = ""
     loss: LossFn | None = None
     flop_counts: Any = None  # a telemetry.flops.FlopCounts when the model can state its FLOPs
+    # why `tp` is empty although the model declares a plan (one shardwise cannot translate):
+    # said when tp > 1 is asked, so that the model still trains on every other layout
+    tp_unavailable: str = ""
     # Filled in by `plan_of` from the module itself (not declared):
     n_blocks: int = 0
     # module name -> (style, the size tensor parallel splits, or -1 if the module's type cannot
@@ -183,7 +212,7 @@ def _tp_sizes(module: Any, plan: ModelPlan) -> dict[str, tuple[str, int]]:
         if style is None:
             continue
         matched.update(p for p in plan.tp if fnmatch.fnmatchcase(name, p))
-        if style in ("sequence", "full_input"):
+        if style in ("sequence", "full_input", "replicated", "tokens"):
             sizes[name] = (style, 0)
             continue
         cls, attr = _SPLIT[style]

@@ -23,6 +23,7 @@ from torch import nn
 from shardwise.errors import UserError
 from shardwise.models.deferred import CannotDefer, InitRecord, record_build
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.moe import build_moe_gpt
 from shardwise.models.plan import ModelPlan, PlanError, attach_plan, plan_of
 from shardwise.spec.runspec import ModelSection
 from shardwise.utils.pyfile import file_sha256, load_function
@@ -44,6 +45,12 @@ def build_model(model: ModelSection, vocab_size: int, seq_len: int, seed: int,
 def _construct(model: ModelSection, vocab_size: int, seq_len: int) -> nn.Module:
     if model.family == "gpt":
         return GPT(GPTConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len))
+    if model.family == "moe-gpt":
+        return build_moe_gpt(model, vocab_size=vocab_size, seq_len=seq_len)
+    if model.family == "hf":
+        from shardwise.models.hf.build import build_hf  # transformers only when asked for
+
+        return build_hf(model, vocab_size, seq_len)
     return _build_user(model, vocab_size)
 
 
@@ -105,9 +112,9 @@ def load_builder(family: str) -> Builder:
         found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)
                  if ep.name == family]
         if not found:
-            raise UserError(f"model.family = {family!r} is neither \"gpt\", a \"py:FILE:FUNCTION\" "
-                            f"builder, nor a name an installed package registers under the "
-                            f"{ENTRY_POINTS!r} entry points.")
+            raise UserError(f"model.family = {family!r} is none of \"gpt\", \"moe-gpt\", \"hf\", "
+                            "a \"py:FILE:FUNCTION\" builder, or a name an installed package "
+                            f"registers under the {ENTRY_POINTS!r} entry points.")
         builder = found[0].load()
     params = [p for p in inspect.signature(builder).parameters.values()
               if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -117,14 +124,18 @@ def load_builder(family: str) -> Builder:
     return builder
 
 
-def model_source(family: str) -> dict[str, str]:
+def model_source(family: str, model: ModelSection | None = None) -> dict[str, Any]:
     """What pins the model's code for the manifest: the file's SHA-256, or the package version."""
-    if family == "gpt":
+    if family in ("gpt", "moe-gpt"):
         from shardwise import __version__
 
         return {"family": family, "shardwise": __version__}
     if family.startswith("py:"):
         return {"family": family, **file_sha256(family, "model.family", EXAMPLE)}
+    if family == "hf":
+        from shardwise.models.hf.source import hf_source
+
+        return hf_source(model) if model is not None else {"family": family}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
         if ep.name == family and ep.dist is not None:
             return {"family": family, "package": ep.dist.name, "version": ep.dist.version}

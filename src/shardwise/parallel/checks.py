@@ -24,6 +24,10 @@ def check_layout(spec: RunSpec, dims: ParallelDims, plan: ModelPlan, accumulatio
     par = spec.parallel
     if dims.tp > 1:
         _check_tensor_parallel(spec, dims, plan)
+    if dims.cp > 1:
+        _check_context_parallel(spec, dims, plan)
+    if dims.ep > 1 or plan.experts:
+        _check_experts(spec, dims, plan)
     if dims.pp > 1 and not plan.supports_pp:
         raise SpecError(
             f"pipeline parallel pp = {dims.pp} needs the model's plan to say where a stage is cut "
@@ -51,12 +55,15 @@ def _model_name(spec: RunSpec) -> str:
 
 def _check_tensor_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
     tp = dims.tp
+    if not plan.supports_tp and plan.tp_unavailable:
+        raise SpecError(f"tensor parallel tp = {tp}: {plan.tp_unavailable}")
     if not plan.supports_tp:
         raise SpecError(
             f"tensor parallel tp = {tp} needs the model's plan to say which modules to split, "
             f"and {_model_name(spec)} declares no tensor-parallel plan. Use tp = 1 (every "
             "data-parallel layout works without a plan), or add `tp` to the model's plan (see "
-            "shardwise.models.plan).")
+            "shardwise.models.plan; for a Hugging Face model, model.hf_tp_plan = { \"PATTERN\" "
+            "= \"colwise\", ... } over nn.Linear modules).")
     shape = plan.shape
     for what, n in (("the attention heads (n_heads)", shape.heads),
                     ("the key/value heads (n_kv_heads)", shape.kv_heads)):
@@ -78,6 +85,69 @@ def _check_tensor_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -
     if spec.run.precision == "fp16":
         raise SpecError("fp16 with tensor parallel is not supported (loss-scale unscaling of "
                         "DTensor gradients); use run.precision = \"bf16\" or tp = 1.")
+
+
+def zigzag_seq_lens(seq_len: int, cp: int) -> list[int]:
+    """The multiples of 2 * cp nearest `seq_len` (the lengths the zigzag split accepts)."""
+    step = 2 * cp
+    below = seq_len // step * step
+    return sorted({n for n in (below - step, below, below + step, below + 2 * step) if n > 0})
+
+
+def _check_context_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
+    cp, seq_len = dims.cp, spec.data.seq_len
+    if not plan.attention or not plan.positions:
+        missing = " and ".join(n for n, v in (("`attention`", plan.attention),
+                                              ("`positions`", plan.positions)) if not v)
+        raise SpecError(
+            f"context parallel cp = {cp} replaces the model's attention and passes the true "
+            f"token positions, and {_model_name(spec)} declares no {missing} in its plan. Use "
+            "cp = 1, or declare them (see shardwise.models.plan).")
+    if seq_len % (2 * cp):
+        raise SpecError(
+            f"context parallel cp = {cp} cuts each sequence into 2 x cp = {2 * cp} equal chunks "
+            f"(zigzag load balancing), but data.seq_len = {seq_len} is not a multiple of "
+            f"{2 * cp}. Valid lengths near it: {', '.join(map(str, zigzag_seq_lens(seq_len, cp)))}"
+            + (f"; or a cp that divides {seq_len // 2}." if seq_len % 2 == 0 else "."))
+    if dims.pp > 1:
+        raise SpecError(
+            f"context parallel (cp = {cp}) with pipeline parallel (pp = {dims.pp}) is not "
+            "supported yet: pipeline stages pass hidden states only, not token positions. Use "
+            "pp = 1 with cp, or cp = 1 with pp.")
+
+
+def _check_experts(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
+    """Expert parallel needs the plan's experts; a model with experts does not take tp yet, nor
+    capacity routing with cp (which tokens an expert drops depends on the whole sequence)."""
+    ep, experts = dims.ep, plan.shape.experts
+    if ep > 1 and not plan.experts:
+        raise SpecError(
+            f"expert parallel parallel.ep = {ep} places experts on ranks, and "
+            f"{_model_name(spec)} declares no `experts` in its plan. Use ep = 1, or a model "
+            "with experts (model.family = \"moe-gpt\", or see shardwise.models.plan).")
+    if ep > 1 and experts and experts % ep:
+        raise SpecError(
+            f"expert parallel ep = {ep} does not divide the model's {experts} experts "
+            f"({_experts_field(spec)}): every ep rank holds an equal share. The nearest ep that "
+            f"does is {_nearest_divisor(experts, ep)}; or use a multiple of {ep} experts.")
+    if plan.experts and dims.cp > 1 and getattr(spec.model, "moe_routing", "") == "capacity":
+        raise SpecError(
+            f"capacity routing (model.moe_routing = \"capacity\") with context parallel (cp = "
+            f"{dims.cp}) is not available: which assignments an expert drops depends on the "
+            "order of the whole sequence, and each cp rank holds two chunks of it. Use "
+            "moe_routing = \"dropless\" with cp, or cp = 1.")
+    if plan.experts and spec.run.determinism == "invariant":
+        raise SpecError(
+            f"{_model_name(spec)} has mixture-of-experts layers: determinism = \"invariant\" "
+            "does not cover them yet (the experts' gradients are reduced outside its fixed "
+            "tree). Use determinism = \"fast\" or \"strict\".")
+
+
+def _experts_field(spec: RunSpec) -> str:
+    """Where the spec sets the number of experts (a Hugging Face model: in its config)."""
+    if spec.model.family == "hf":
+        return "num_experts / num_local_experts in the Hugging Face config"
+    return "model.moe_experts"
 
 
 def _divides(tp: int, what: str, n: int) -> None:

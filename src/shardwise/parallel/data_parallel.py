@@ -19,10 +19,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.parallel.collectives import all_gather_flat
 from shardwise.parallel.precision import compute_dtype
 from shardwise.telemetry.comm import ddp_comm_hook
+
+# set by expert parallel (parallel/expert.py) on an expert module whose weights ZeRO shards over
+# the expert data-parallel ranks: the DeviceMesh of those ranks
+EDP_MESH = "_shardwise_edp_mesh"
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
@@ -36,19 +42,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
     embeddings, the root's head) is gathered in fp32, as the other layouts use it.
     """
     matmul, exact = fsdp_policies(precision)
+    # expert-parallel parameters are already distributed over ep (parallel/expert.py): those
+    # ZeRO shards over the expert data-parallel ranks get a unit of their own on that mesh, the
+    # rest (replicated over edp) are left alone
+    ignored = {p for p in model.parameters() if getattr(p, "_shardwise_expert", False)}
+    skip = {"ignored_params": ignored} if ignored else {}
     for i, block in enumerate(blocks):
         # ZeRO-2 keeps every block gathered from forward to backward; ZeRO-3 reshards each block
         # after its forward, except the last, whose parameters backward needs at once.
         reshard = zero == 3 and i < len(blocks) - 1
+        for m in block.modules():
+            edp_mesh = getattr(m, EDP_MESH, None)
+            if edp_mesh is not None:  # fp32 gathers: autocast casts for the experts' matmuls
+                fully_shard(m, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=exact)
         if matmul is not exact:
-            others = non_matmul_modules(block)
+            others = [m for m in non_matmul_modules(block) if not isinstance(m, FSDPModule)
+                      and any(p not in ignored for p in m.parameters(recurse=False))]
             if others:
-                fully_shard(others, mesh=mesh, reshard_after_forward=reshard, mp_policy=exact)
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=matmul)
+                fully_shard(others, mesh=mesh, reshard_after_forward=reshard, mp_policy=exact,
+                            **skip)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=matmul, **skip)
     # The root (embedding, final norm, output) is needed first thing in backward: keep it
     # gathered after forward, as torch does by default; re-gathering it would cost one
     # all-gather of those weights per micro-batch for no memory gain at the peak.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=exact)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=exact, **skip)
     sum_gradients(model)
     return model
 
@@ -120,38 +137,84 @@ def _local_slice(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return full[start:min(start + chunk, n)]
 
 
+class _ExpertRows:
+    """ZeRO-1 for an expert-parallel parameter (a DTensor [Replicate on edp, Shard(0) on ep],
+    `parallel/expert.py`): its E/ep local experts split again over the edp ranks that hold the
+    same ones — FSDP2's layout for the same parameter ([_StridedShard(0), Shard(0)]), so its
+    optimizer state checkpoints interchangeably with ZeRO-2/3 + ep. Local experts that edp does
+    not divide keep whole (replicated) master rows, updated alike on every edp rank."""
+
+    def __init__(self, p: DTensor) -> None:
+        mesh = p.device_mesh
+        self.mesh, self.edp = mesh, mesh["edp"]
+        n, rows = self.edp.size(), p.to_local().shape[0]
+        self.split = n > 1 and rows % n == 0
+        self.per = rows // n if self.split else rows
+        self.start = self.edp.get_local_rank() * self.per if self.split else 0
+        self.placements = ([_StridedShard(0, split_factor=mesh["ep"].size()), Shard(0)]
+                           if self.split else list(p.placements))
+        self.shape, self.stride = p.shape, p.stride()
+
+    def rows(self, local: torch.Tensor) -> torch.Tensor:
+        return local[self.start:self.start + self.per]
+
+    def dtensor(self, rows: torch.Tensor) -> DTensor:
+        return DTensor.from_local(rows, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+    def write_back(self, p: DTensor, master: DTensor) -> None:
+        local = p.to_local()
+        if self.split:
+            all_gather_flat(local, master.to_local().contiguous(), self.edp.get_group())
+        else:
+            local.copy_(master.to_local())
+
+
 class Zero1Optimizer:
     """ZeRO-1: each rank keeps fp32 master shards and optimizer state for its dim-0 slice of
     every parameter; after DDP's all-reduce it updates its slice and all-gathers the parameters.
 
     Shards are DTensors with Shard(0) on the dp_shard mesh — the same layout as FSDP2 — so the
     optimizer state in a checkpoint is interchangeable with ZeRO-2/3 and resharded by DCP.
+    Expert-parallel parameters are sliced over their own edp ranks instead (`_ExpertRows`).
     """
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh,
                  make_optimizer) -> None:
         self.mesh = mesh
         self.named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        # (found by their mesh: a materialised meta build keeps no attribute on a parameter)
+        self.experts = {name: _ExpertRows(p) for name, p in self.named if isinstance(p, DTensor)
+                        and "edp" in (p.device_mesh.mesh_dim_names or ())}
         self.shards: dict[str, nn.Parameter] = {}
         for name, p in self.named:
-            local = _local_slice(p.detach(), mesh).clone()
-            self.shards[name] = nn.Parameter(DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()))
+            self.shards[name] = nn.Parameter(self._master(name, p.detach(), clone=True))
         self.optimizer: torch.optim.Optimizer = make_optimizer(
             [(name, self.shards[name]) for name, _ in self.named])
         self.param_groups = self.optimizer.param_groups
 
+    def _master(self, name: str, full: torch.Tensor, clone: bool = False) -> DTensor:
+        """This rank's master slice of a parameter (or gradient) `full`, as a DTensor."""
+        expert = self.experts.get(name)
+        if expert is not None:
+            rows = expert.rows(full.to_local())
+            return expert.dtensor(rows.clone() if clone else rows)
+        local = _local_slice(full, self.mesh)
+        return DTensor.from_local(local.clone() if clone else local, self.mesh, [Shard(0)],
+                                  run_check=False, shape=full.shape, stride=full.stride())
+
     def step(self) -> None:
         for name, p in self.named:
-            if p.grad is None:
-                continue
-            local = _local_slice(p.grad, self.mesh)
-            self.shards[name].grad = DTensor.from_local(
-                local, self.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            if p.grad is not None:
+                self.shards[name].grad = self._master(name, p.grad)
         self.optimizer.step()
         with torch.no_grad():
             for name, p in self.named:
-                p.copy_(self.shards[name].full_tensor())
+                expert = self.experts.get(name)
+                if expert is not None:
+                    expert.write_back(p, self.shards[name])
+                else:
+                    p.copy_(self.shards[name].full_tensor())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -184,7 +247,7 @@ class Zero1Optimizer:
                     self.optimizer.state[p][key] = state[f"state.{name}.{key}"]
         with torch.no_grad():  # the master shards follow the (already loaded) model parameters
             for name, p in self.named:
-                self.shards[name].to_local().copy_(_local_slice(p.detach(), self.mesh))
+                self.shards[name].to_local().copy_(self._master(name, p.detach()).to_local())
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:

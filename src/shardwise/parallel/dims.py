@@ -15,10 +15,7 @@ from shardwise.errors import SpecError
 from shardwise.spec.runspec import ParallelSection
 
 #: Degrees that exist in the spec but whose parallelism has not landed yet.
-NOT_AVAILABLE_YET = {
-    "cp": "context parallel (ring attention)",
-    "ep": "expert parallel",
-}
+NOT_AVAILABLE_YET: dict[str, str] = {}
 
 #: Mesh axis order, outermost first.
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -72,7 +69,8 @@ class ParallelDims:
                 raise SpecError(
                     f"parallel.{name} = {degree} asks for {what}, which is not available yet in "
                     f"this version of shardwise. Set parallel.{name} = 1; available now: DDP, "
-                    "ZeRO-1/2/3, HSDP, tensor + sequence parallel and pipeline parallel."
+                    "ZeRO-1/2/3, HSDP, tensor + sequence parallel, context parallel and "
+                    "pipeline parallel."
                 )
         if self.zero == 0 and self.dp_shard > 1:
             raise SpecError(
@@ -80,7 +78,9 @@ class ParallelDims:
                 f"Replicate instead with dp_replicate = {self.dp_replicate * self.dp_shard} and "
                 "dp_shard = 1, or pick zero = 1, 2 or 3 to shard across dp_shard."
             )
-        if self.zero > 0 and self.dp_shard == 1 and not (self.world_size == 1 and self.zero >= 2):
+        fsdp_over_cp = self.zero >= 2 and self.cp > 1  # FSDP shards over dp_shard x cp
+        if self.zero > 0 and self.dp_shard == 1 and not (self.world_size == 1 and self.zero >= 2) \
+                and not fsdp_over_cp:
             # (FSDP on a single rank is allowed: it is how one GPU runs the FSDP code path.)
             raise SpecError(
                 f"parallel.zero = {self.zero} shards state across dp_shard, but dp_shard = 1: "
@@ -94,6 +94,30 @@ class ParallelDims:
                 f"{self.pp}: DDP cannot reduce DTensor or per-stage gradients. Use zero = 2 or 3 "
                 "(FSDP2, or HSDP with dp_replicate > 1), which composes with both."
             )
+        if self.zero in (0, 1) and self.cp > 1 and self.tp > 1:
+            raise SpecError(
+                f"parallel.zero = {self.zero} (DDP) would reduce gradients over the cp = "
+                f"{self.cp} ranks, but with tp = {self.tp} they are DTensors, which DDP cannot "
+                "reduce. Use zero = 2 or 3 (FSDP2 over dp_shard x cp; dp_shard may be 1).")
+        if self.ep != 1:
+            self._validate_expert()
+
+    def _validate_expert(self) -> None:
+        """Expert parallel borrows its ranks from the data-parallel and context-parallel ones
+        (parallel/expert.py)."""
+        ep, dp = self.ep, self.dp * self.cp
+        if ep < 1 or dp % ep:
+            raise SpecError(
+                f"parallel.ep = {ep} must divide the ranks it borrows from, dp_replicate("
+                f"{self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) = {dp}: "
+                "expert parallel places the experts over the data- and context-parallel ranks. "
+                f"Use ep among {[d for d in range(1, dp + 1) if dp % d == 0]}, or more "
+                "data-parallel ranks.")
+        if self.tp > 1:
+            raise SpecError(
+                f"expert parallel (ep = {ep}) with tp = {self.tp} is not available yet: ep "
+                "composes with DDP, ZeRO-2/3, HSDP, context and pipeline parallel. Set tp = 1 "
+                "with ep > 1, or ep = 1.")
 
     @property
     def dp(self) -> int:
@@ -115,8 +139,14 @@ class ParallelDims:
             parts.append(f"zero{self.zero}-{self.dp_shard}")
         elif self.dp_replicate > 1:
             parts.append(f"ddp{self.dp_replicate}")
+        elif self.zero >= 2 and self.cp > 1:  # FSDP over the cp ranks alone
+            parts.append(f"zero{self.zero}-1")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return "+".join(parts)

@@ -11,6 +11,7 @@ exercises the same code paths as a multi-GPU one), and a layout that asks for FS
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ from shardwise.parallel.devices import (
     resolve_device_type,
 )
 from shardwise.parallel.dims import MESH_AXES, ParallelDims
+from shardwise.resilience.attempt import count_start, launch_attempt
 from shardwise.spec.runspec import ParallelSection
 
 
@@ -40,6 +42,11 @@ class DistContext:
     dims: ParallelDims
     mesh: DeviceMesh | None  # None when world_size == 1
     dp_mesh: DeviceMesh | None = None  # dp_replicate x dp_shard flattened: ranks with different data
+    # With cp > 1, gradients are reduced over the cp ranks too (each holds part of every
+    # sequence): dp_replicate x dp_shard x cp flattened (DDP), and the FSDP mesh, dp_shard x cp
+    # flattened (with dp_replicate in front for HSDP). None when cp = 1.
+    dp_cp_mesh: DeviceMesh | None = None
+    fsdp_cp_mesh: DeviceMesh | None = None
     # The launcher's store, without the per-attempt prefix: keys set in it outlive a restart of
     # the workers (None for one process without a group, or a group this code did not create).
     store: dist.Store | None = None
@@ -68,6 +75,14 @@ class DistContext:
 
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
+
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose gradients DDP sums: the data-parallel ranks, and the cp ranks."""
+        return self.dp_cp_mesh.get_group() if self.dp_cp_mesh is not None else self.dp_group()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
 
 
 def env_world() -> tuple[int, int, int, int]:
@@ -128,15 +143,17 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                 is_master=(rank == 0 and not agent_store), timeout=timeout,
             )
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            count_start(store, rank)  # the attempt all nodes agree on (resilience.attempt)
+        attempt = launch_attempt()
         base_store = store
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
     mesh, dp_mesh = build_mesh(dims, device.type)
+    dp_cp_mesh, fsdp_cp_mesh = build_cp_meshes(mesh, dims) if dims.cp > 1 else (None, None)
     return DistContext(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh,
-                       base_store)
+                       dp_cp_mesh, fsdp_cp_mesh, base_store)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -148,6 +165,20 @@ def build_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, Device
     shape = dims.mesh_shape
     mesh = init_device_mesh(device_type, tuple(shape[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
     return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def build_cp_meshes(mesh: DeviceMesh, dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """(dp_replicate x dp_shard x cp flattened, the FSDP mesh) for cp > 1, as torchtitan lays
+    them out: FSDP shards over dp_shard x cp flattened ("dp_shard_cp"); HSDP replicates that
+    across dp_replicate. The HSDP view slices a flattened dim from the root, which torch 2.13
+    warns will be deprecated (and still does; no other public way builds it on 2.11)."""
+    dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if dims.dp_replicate == 1:
+        return dp_cp, shard_cp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return dp_cp, mesh["dp_replicate", "dp_shard_cp"]
 
 
 def shutdown(clean: bool = False) -> None:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardwise.models.plan import ModelPlan
 from shardwise.parallel.collectives import all_gather_flat
+from shardwise.parallel.context import ContextParallel
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.invariant import PairwiseAccumulator, tree_reduce_scatter
 from shardwise.parallel.pipeline import Pipeline
@@ -47,6 +48,7 @@ class ParallelModel:
     schedule: str = ""
     phase_hook: Callable[[str], None] | None = None  # told "forward"/"backward" (fault drills)
     tied: TiedAcrossStages | None = None  # tied tensors on different pipeline stages
+    context: ContextParallel | None = None  # cp > 1: each rank runs its zigzag chunks
     _loss_scale: float = 1.0
 
     # --- plain module-like helpers -----------------------------------------------------------
@@ -108,11 +110,13 @@ class ParallelModel:
                 self.tied.sum_gradients()
             return total / loss_scale
         model = self.parts[0]
-        for i, (inputs, targets) in enumerate(batches):
-            with _grad_sync(model, enabled=i == len(batches) - 1), loss_context(self.loss_parallel):
+        for i, (full_inputs, full_targets) in enumerate(batches):
+            inputs, targets, extra = self.local_sequence(full_inputs, full_targets)
+            with _grad_sync(model, enabled=i == len(batches) - 1), \
+                    loss_context(self.loss_parallel), self._context_active():
                 self._phase("forward")
                 with self._autocast():
-                    logits = model(inputs)
+                    logits = model(inputs, **extra)
                 loss_sum = self.token_loss_sum(logits, targets)
                 self._phase("backward")
                 (loss_sum * loss_scale).backward()
@@ -174,6 +178,37 @@ class ParallelModel:
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The precision policy's forward context, the same on every layout (parallel/precision)."""
         return autocast(self.precision, self.ctx.device.type)
+
+    # --- context parallel ----------------------------------------------------------------------
+    def local_sequence(self, inputs: torch.Tensor, targets: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """What this rank runs of a micro-batch: under context parallel its zigzag chunks of
+        tokens and targets, and the keyword argument with their true positions; else all of it.
+        Every rank reads the whole micro-batch (cp peers share samples), so the step's global
+        target count needs no cp communication, and each rank's loss sum covers its chunks:
+        summed over the world, every token is counted once."""
+        if self.context is None:
+            return inputs, targets, {}
+        return self.context.shard(inputs, targets)
+
+    def _context_active(self) -> contextlib.AbstractContextManager:
+        return self.context.active() if self.context is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def sequence_logits(self, inputs: torch.Tensor, targets: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Evaluation: this rank's outputs and the targets they score (its zigzag chunks under
+        context parallel, the whole micro-batch otherwise). A collective like `logits`."""
+        if self.context is None:
+            return self.logits(inputs), targets
+        local, local_targets, extra = self.local_sequence(inputs, targets)
+        with self._autocast(), self._context_active():
+            out = self.parts[0](local, **extra)
+        return (out.full_tensor() if isinstance(out, DTensor) else out), local_targets
+
+    @property
+    def cp_rank(self) -> int:
+        return self.context.cp.rank if self.context is not None else 0
 
     # --- forward only (evaluation, generation) ---------------------------------------------------
     @torch.no_grad()

@@ -3,8 +3,13 @@
 Order, and why it is fixed:
   1. pipeline split   — decides which layers this rank holds; everything after works per stage
   2. tensor/sequence  — rewrites weights as DTensors on the `tp` axis; must see plain modules
-  3. context parallel — (not available yet)
-  4. expert parallel  — (not available yet)
+  3. context parallel — swaps the attention core of the plan's `attention` modules for ring
+     attention (after TP, which gives each rank its heads; before AC, whose recompute then
+     recomputes the ring too); gradients are reduced over dp x cp in step 7
+  4. expert parallel  — shards the plan's `experts` modules along dim 0 over ranks borrowed
+     from data parallel (parallel/expert.py), before AC and DP: DP must see them as already
+     distributed (DDP ignores them; under ZeRO-2/3 FSDP shards them over the remaining
+     data-parallel ranks in units of their own)
   5. activation checkpointing — marks whole blocks, after TP has rewritten their insides
   6. compile          — per block, after AC so the recompute is compiled too
   7. data parallel    — FSDP2 / DDP last: FSDP shards whatever parameters it finds (TP DTensors
@@ -23,9 +28,11 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.models.deferred import InitRecord, materialize
 from shardwise.models.plan import plan_of
+from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, unwrap
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.execution import ParallelModel
+from shardwise.parallel.expert import apply_expert_parallel, build_expert_mesh
 from shardwise.parallel.invariant import install_on_fsdp
 from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile, blocks_of
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
@@ -71,6 +78,17 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         for part in parts:
             apply_tensor_parallel(part, plan, ctx.mesh["tp"],
                                   sequence_parallel=par.sequence_parallel, loss_parallel=loss_par)
+    # 3. context parallel (one part: cp > 1 with pipeline parallel is refused by check_layout)
+    context = None
+    if dims.cp > 1:
+        cp_mesh = ctx.mesh["cp"]
+        context = apply_context_parallel(parts[0], plan, cp_mesh.get_group(),
+                                         cp_mesh.get_local_rank(), dims.cp, par.cp_comm)
+    # 4. expert parallel (every stage part: the expert mesh is this stage's dp x cp ranks)
+    if dims.ep > 1:
+        expert_mesh = build_expert_mesh(dims.dp * dims.cp, dims.ep, ctx.device.type, dims.pp)
+        for part in parts:
+            apply_expert_parallel(part, plan, expert_mesh, zero_over_edp=dims.zero >= 2)
     # 5. activation checkpointing, 6. compile
     for part in parts:
         apply_activation_checkpointing(part, plan, spec.memory)
@@ -79,10 +97,12 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
     # tied tensors whose members sit on different stages: found before DDP renames parameters
     tied = TiedAcrossStages.build(parts, ids, n_stages, plan, ctx) if dims.pp > 1 else None
     # 7. data parallel (invariant mode reduces DDP/ZeRO-1 gradients itself, in a fixed tree)
-    if dims.dp > 1 or dims.zero >= 2:
+    if dims.dp * dims.cp > 1 or dims.zero >= 2:
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
                 else ctx.mesh["dp_shard"]
+            if ctx.fsdp_cp_mesh is not None:  # cp ranks shard (and sum gradients) like dp ranks
+                dp_mesh = ctx.fsdp_cp_mesh
             parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
                                 blocks=[b for _, b in blocks_of(part, plan)]) for part in parts]
             if deferred:  # fill the local shards FSDP2 laid out (on meta, no memory yet)
@@ -95,7 +115,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
             if deferred:  # before DDP, which holds the final parameters
                 materialize(parts, record, ctx.device)
                 deferred = False
-            parts = [apply_ddp(part, ctx.dp_group(), ctx.device) for part in parts]
+            parts = [apply_ddp(part, ctx.grad_group(), ctx.device) for part in parts]
     if deferred:
         materialize(parts, record, ctx.device)
     if tied is not None:
@@ -103,7 +123,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
     pm = ParallelModel(parts, ctx, spec.run.precision, plan, loss_parallel=loss_par,
                        sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule,
-                       tied=tied if tied is not None and tied.groups else None)
+                       tied=tied if tied is not None and tied.groups else None, context=context)
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,
                                ctx.mesh["pp"], ctx.device, pm.pipeline_loss)

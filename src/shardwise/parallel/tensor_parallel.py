@@ -64,6 +64,10 @@ def apply_tensor_parallel(model: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh
     for name, module in modules:
         inside = any(name.startswith(r + ".") for r in regions)
         _parallelize(name, module, plan.tp_style(name), region, loss_parallel, sharded, inside)
+    if sequence_parallel:  # models that count positions from their input's length (plan.py)
+        for module in model.modules():
+            if hasattr(module, "sequence_shards"):
+                module.sequence_shards = tp_mesh.size()
 
 
 def tp_modules(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:
@@ -77,12 +81,21 @@ def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion, loss
     """`inside`: the module sits in a `full_input` module, whose input is already gathered."""
     shard = functools.partial(_shard_params, module, region.mesh, name=name, sharded=sharded)
     if kind == "full_input":
+        first = _first_input(module)
         module.register_forward_pre_hook(
-            lambda _m, args: (region.full_input(region.forget_input(args[0])), *args[1:]))
+            lambda _m, args, kwargs: first(args, kwargs,
+                                           lambda x: region.full_input(region.forget_input(x))),
+            with_kwargs=True)
     elif kind == "sequence":
         if region.sequence_parallel:  # replicated weights, partial-sum gradients
             shard({"weight": Replicate(), "bias": Replicate()})
             _compute_locally(module, region, before=region.forget_input)
+    elif kind == "tokens":  # computes on each token alone, whole and the same on every tp rank
+        if region.sequence_parallel:
+            _run_on_whole_sequence(module, region)
+    elif kind == "replicated":  # whole weights acting on this rank's heads: partial gradients
+        shard({"weight": Replicate(), "bias": Replicate()})
+        _compute_locally(module, region, partial=True)
     elif kind in ("colwise", "output"):
         _expect(module, nn.Linear, name, kind)
         shard({"weight": Shard(0), "bias": Shard(0)})
@@ -102,6 +115,23 @@ def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion, loss
         shard({"weight": Shard(1), "bias": Replicate()})
         _compute_locally(module, region, before=region.forget_input, after=region.reduce_output,
                          late_bias=True)
+
+
+def _run_on_whole_sequence(module: nn.Module, region: TPRegion) -> None:
+    """A `tokens` module (an MoE feed-forward: routing, capacity and the balance loss look at
+    every token of the micro-batch) under sequence parallel: its input is all-gathered along the
+    sequence, every tp rank runs the same computation on all tokens with its plain, whole
+    parameters, and keeps its own part of the output. Since every rank computes the same
+    function, the gradients are whole on each (the input's is cut back to the rank's part, the
+    output's gathered), and parameters and statistics need no reduction over tp — like the
+    module without sequence parallel, at the cost of running it tp times."""
+    first = _first_input(module)
+    module.register_forward_pre_hook(
+        lambda _m, args, kwargs: first(args, kwargs, lambda x: _GatherWhole.apply(
+            region.forget_input(x), region.group, region.size, region.rank)),
+        with_kwargs=True)
+    module.register_forward_hook(
+        lambda _m, _args, out: _OwnPart.apply(out, region.group, region.size, region.rank))
 
 
 def _expect(module: nn.Module, cls: type, name: str, kind: str) -> None:
@@ -138,24 +168,27 @@ Transform = Callable[[Any], Any]
 
 
 def _compute_locally(module: nn.Module, region: TPRegion, *, before: Transform | None = None,
-                     after: Transform | None = None, late_bias: bool = False) -> None:
+                     after: Transform | None = None, late_bias: bool = False,
+                     partial: bool = False) -> None:
     """Run `module`'s own forward on plain tensors: before it, the first input goes through
     `before` and each DTensor parameter is swapped for its differentiable local shard; after it,
     the parameters are put back (also when the forward raises) and the output goes through
     `after`. `late_bias`: the bias is left out of the forward and added after `after` (a
-    row-parallel bias must be added once, to the reduced sum)."""
+    row-parallel bias must be added once, to the reduced sum). `partial`: replicated
+    parameters get partial-sum gradients even without sequence parallel."""
+    partial_grads = partial or region.sequence_parallel
     saved: list[dict[str, nn.Parameter | None]] = []  # a stack: safe under re-entrant calls
 
-    def pre(mod: nn.Module, args: tuple) -> tuple | None:
+    first = _first_input(module)
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         params = dict(mod._parameters)
         saved.append(params)
         for pname, p in params.items():
             if isinstance(p, DTensor):
                 late = late_bias and pname == "bias"
-                mod._parameters[pname] = None if late else _local(p, region.sequence_parallel)
-        if before is not None and args:
-            return (before(args[0]), *args[1:])
-        return None
+                mod._parameters[pname] = None if late else _local(p, partial_grads)
+        return first(args, kwargs, before) if before is not None else None
 
     def post(mod: nn.Module, _args: tuple, output: Any) -> Any:
         params = saved.pop()
@@ -166,20 +199,39 @@ def _compute_locally(module: nn.Module, region: TPRegion, *, before: Transform |
             output = after(output)
         bias = params.get("bias")
         if late_bias and bias is not None:
-            output = output + _local(bias, region.sequence_parallel)
+            output = output + _local(bias, partial_grads)
         return output
 
-    module.register_forward_pre_hook(pre)
+    module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(post, always_call=True)
 
 
-def _local(param: DTensor, sequence_parallel: bool) -> torch.Tensor:
+def _first_input(module: nn.Module) -> Callable[[tuple, dict, Transform], tuple | None]:
+    """A pre-hook helper that maps a module's first input through a transform, whether the
+    caller passed it by position or by name (transformers calls `self_attn(hidden_states=x)`)."""
+    import inspect
+
+    params = [p.name for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = params[0] if params else None
+
+    def mapped(args: tuple, kwargs: dict, transform: Transform) -> tuple | None:
+        if args:
+            return (transform(args[0]), *args[1:]), kwargs
+        if name is not None and name in kwargs:
+            return args, {**kwargs, name: transform(kwargs[name])}
+        return None
+
+    return mapped
+
+
+def _local(param: DTensor, partial: bool) -> torch.Tensor:
     """The local shard, differentiable. Under sequence parallel a replicated parameter (a norm
     weight, a row-parallel bias) acts on this rank's tokens only, so its gradient is a partial
     sum, which `run.step._reduce_partial_grads` (or FSDP2) sums once per step; without it every
     rank computes the same, whole gradient."""
     spec = param._spec
-    if sequence_parallel and any(pl.is_replicate() for pl in spec.placements):
+    if partial and any(pl.is_replicate() for pl in spec.placements):
         spec = _partial_grad_spec(spec)
     return _LocalShard.apply(param, spec)
 
@@ -344,6 +396,36 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _scatter_sum(grad, SEQ_DIM, ctx.group, ctx.size), None, None
+
+
+class _GatherWhole(torch.autograd.Function):
+    """Forward: all-gather along the sequence; backward: this rank's part of the gradient (which
+    every rank computed whole and the same, see `_run_on_whole_sequence`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int
+                ) -> torch.Tensor:
+        ctx.size, ctx.rank = size, rank
+        return _gather(x, SEQ_DIM, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size, SEQ_DIM)[ctx.rank].contiguous(), None, None, None
+
+
+class _OwnPart(torch.autograd.Function):
+    """Forward: this rank's part along the sequence of an output every rank computed whole;
+    backward: all-gather of the parts' gradients."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int
+                ) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return y.chunk(size, SEQ_DIM)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, SEQ_DIM, ctx.group, ctx.size), None, None, None
 
 
 class _ScatterSequence(torch.autograd.Function):

@@ -92,40 +92,28 @@ def layer_split(model: ModelDims, stages: int, seq_len: int, recompute: str = "n
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def cut(limit: float) -> list[int] | None:
-        """Greedy from the front: each stage takes as many blocks as fit under `limit` while
-        leaving one block for every later stage; None if the last stage overflows."""
-        sizes, start = [], 0
-        for s in range(stages - 1):
-            end = start + 1
-            while end < n - (stages - 1 - s) and prefix[end + 1] - prefix[start] <= limit:
-                end += 1
-            sizes.append(end - start)
-            start = end
-        if prefix[n] - prefix[start] + head > limit * (1 + 1e-12):
-            return None
-        sizes.append(n - start)
-        return sizes
-
     lo, hi = max(max(costs), costs[-1] + head), prefix[n] + head
-    best = cut(hi) or _even(n, stages)
+    best = _cut(prefix, head, stages, hi) or _even(n, stages)
     for _ in range(60):
         mid = (lo + hi) / 2
-        found = cut(mid)
+        found = _cut(prefix, head, stages, mid)
         if found is None:
             lo = mid
         else:
             best, hi = found, mid
         if hi - lo <= 1e-9 * hi:
             break
-    spread = _spread(prefix, head, stages, hi)
+    spread = _cut(prefix, head, stages, hi, spread=True)
     return tuple(spread or best)
 
 
-def _spread(prefix: list[float], head: float, stages: int, limit: float) -> list[int] | None:
-    """A cut under `limit` whose stages each take about their share of what is left (the
-    greedy cut piles the slack onto the last stages; interleaved and ZBV placements put several
-    stages on a rank, so even stages keep the ranks even too). None if it overflows."""
+def _cut(prefix: list[float], head: float, stages: int, limit: float,
+         spread: bool = False) -> list[int] | None:
+    """Greedy from the front: each stage takes as many blocks as fit under `limit` while leaving
+    one block for every later stage; None if the last stage (which also runs the output
+    projection, `head`) overflows. `spread`: a stage stops near its share of what is left
+    instead (the plain greedy cut piles the slack onto the last stages; interleaved and ZBV
+    placements put several stages on a rank, so even stages keep the ranks even too)."""
     n = len(prefix) - 1
     sizes, start = [], 0
     for s in range(stages - 1):
@@ -133,7 +121,8 @@ def _spread(prefix: list[float], head: float, stages: int, limit: float) -> list
         end = start + 1
         while (end < n - (stages - 1 - s)
                and prefix[end + 1] - prefix[start] <= limit * (1 + 1e-12)
-               and prefix[end + 1] - prefix[start] - target <= target - (prefix[end] - prefix[start])):
+               and (not spread or prefix[end + 1] - prefix[start] - target
+                    <= target - (prefix[end] - prefix[start]))):
             end += 1
         sizes.append(end - start)
         start = end

@@ -7,7 +7,9 @@ with what a run's `model_state` event measures.
 Step time, per pipeline rank r and micro-batch (m per step):
     tau_r = compute_r + TP collectives + EP all-to-alls             (on the critical path)
             + exposed(CP ring, PP send/recv, FSDP all-gathers)      (overlapped with compute)
+            + framework overhead (CPU; on a GPU: max(tau_r, overhead), see below)
     step  = (m + bubble slots) x max_r tau_r + exposed gradient sync at the end
+            (+ ZeRO-1's per-tensor step overhead)
 with `comm.exposed(comm, window, overlap)` the part not hidden behind compute. Under pipeline
 parallel the gradient reduce-scatter runs after the last backward (torch's pipelining schedules
 it there), so it is not overlapped; without it, it overlaps with the last micro-batch's backward.
@@ -29,6 +31,23 @@ predicted at 31.0 %; and a single efficiency overstates small models (the built-
 CPU: predicted 10,240 tokens/s against 6,800-8,500 measured). Measured runs on the target
 cluster should replace it: `shardwise plan --calibrate RUN_DIR...` fits `efficiency` and
 `overlap` to their step times (`plan/calibrate.py`) and `--write-params` keeps the result.
+
+Framework overhead (`overhead_counts`): time a rank spends in the framework rather than in the
+model's FLOPs or in a collective — FSDP2's hooks and all-gather copy-in/out per unit, DTensor's
+dispatch per tensor-parallel linear, ZeRO-1's per-tensor sharded step, ring attention's unfused
+per-chunk work. It is what the step events' `compute_s_per_rank` (step time less time with a
+collective in flight) shows on this machine's CPU runs at equal FLOPs per rank: ddp2 173-182 ms,
+zero1-2 251-258, zero2-2 268-275, zero3-2 297-306, tp2 318-347 (benchmarks/RESULTS.md,
+"bench_plan 2026-12-02 01:35 UTC"). Each coefficient is a `CostParams` field whose default is
+derived from those figures (the field's comment gives the arithmetic) and which `--calibrate`
+refits. On a CPU cluster the host is the device, so the overhead adds to the micro-batch's time.
+On a GPU the host runs ahead of the stream (kernel launches are asynchronous): a micro-batch takes
+`max(device time, host time)`, so the overhead shows only where the kernels it launches are
+shorter (small models, tiny micro-batches) and is hidden at GPU scale — Llama 3 405B's
+published layout has ~340 ms of kernels per micro-batch and rank against ~90 ms of host work
+even at these CPU-measured rates (hidden up to ~3.7 times them), which overstate a GPU server's
+host (2 shared cores here): its predicted MFU is unchanged (39.0 %). ZeRO-1's
+step is serial with its parameter all-gathers, so it adds to the step on either device.
 
 Memory is itemised in `plan/memory.py`; on a CPU cluster (`cpu-local`) the optimizer's
 workspace, the host allocator's share (`cpu_fragmentation`) and the process's own runtime
@@ -96,7 +115,33 @@ class CostParams:
     cpu_fragmentation: float = 0.05
     cpu_zero1_retained_copies: float = 1.0
     cpu_fsdp_retained_copies: float = 3.6
+    # Framework overhead (module docstring; defaults derived from the compute_s_per_rank of the
+    # 01:35 UTC bench_plan runs, 2026-12-02, against ddp2's 177.5 ms at the same FLOPs per rank).
+    # FSDP2, per unit (`fsdp_units`) per micro-batch: its pre/post forward and backward hooks.
+    # With the next field, from zero2-2 (+94 ms: 5 units x 4 micro-batches, 4 gathers) and
+    # zero3-2 (+124 ms: 8 gathers): 20 h + 20 g = 94 ms and 20 h + 40 g = 124 ms.
+    fsdp_unit_overhead_s: float = 3.2e-3
+    # FSDP2, per unit per all-gather: the copy into the flat buffer and out to the parameters.
+    fsdp_gather_overhead_s: float = 1.5e-3
+    # Tensor parallel, per DTensor-sharded linear (q, k, v, o and the FFN's matrices of every
+    # block, recomputed ones again, the embedding and the output layer) per micro-batch, forward
+    # and backward: tp2's +155 ms over 8 micro-batches of 30 linears.
+    tp_op_overhead_s: float = 0.65e-3
+    # ZeRO-1, per parameter tensor per step: a DTensor gradient shard, the AdamW update on
+    # DTensors and `full_tensor()` (`parallel/data_parallel.Zero1Optimizer`): zero1-2's +77 ms
+    # over 39 tensors.
+    zero1_tensor_overhead_s: float = 2.0e-3
+    # Context parallel, per block (recomputed ones again) per cp chunk per micro-batch: ring
+    # attention's unfused per-chunk attention and merge (benchmarks/RESULTS.md, bench_cp: ~4x
+    # the fused SDPA step). From a 5-step cp2 run of the bench_plan model before the 07:17 UTC
+    # runs (compute 396-416 ms per rank against ddp2's 177.5 over 8 micro-batches x 4 blocks
+    # x 2 chunks): 3.6 ms.
+    cp_chunk_overhead_s: float = 3.6e-3
 
+
+#: the framework-overhead fields of `CostParams` (`overhead_counts`), which `--calibrate` fits
+OVERHEAD_FIELDS = ("fsdp_unit_overhead_s", "fsdp_gather_overhead_s", "tp_op_overhead_s",
+                   "zero1_tensor_overhead_s", "cp_chunk_overhead_s")
 
 DEFAULT_PARAMS = CostParams()
 
@@ -120,6 +165,10 @@ class Prediction:
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per rank per step, by axis
     comm_time_s: dict[str, float] = field(default_factory=dict)  # before overlap
     reason: str = ""
+    overhead_s: float = 0.0  # framework overhead exposed per step outside the bubble
+    # per step, by OVERHEAD_FIELDS name: how much the step time grows per second of that
+    # coefficient (the exposed op counts; 0 where hidden behind a GPU's kernels)
+    overhead_counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def mem_per_rank_bytes(self) -> float:
@@ -135,7 +184,8 @@ class Prediction:
                    bubble=self.bubble, compute_s=self.compute_s,
                    exposed_comm_s=self.exposed_comm_s, layer_split=list(self.layer_split),
                    stage_time_s=list(self.stage_time_s), comm_bytes=dict(self.comm_bytes),
-                   comm_time_s=dict(self.comm_time_s), reason=self.reason)
+                   comm_time_s=dict(self.comm_time_s), reason=self.reason,
+                   overhead_s=self.overhead_s, overhead_counts=dict(self.overhead_counts))
         return out
 
 
@@ -230,10 +280,10 @@ def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
         ag_exposed, sync = 0.0, 0.0
         if lo.zero >= 2:
             gather = gather_linear * rp.linear + 4 * rp.other
-            gathers = (m if lo.zero == 2 else 2 * m) if lo.pp == 1 else (1 if lo.zero == 2 else m + 1)
+            gathers = fsdp_gathers(lo, m)
             # FSDP2 gathers (and reduce-scatters) unit by unit: one collective's latency per
             # unit (the blocks, their norms apart under bf16, and the root), not per rank
-            units = load.blocks * (2 if batch.precision == "bf16" else 1) + 1
+            units = fsdp_units(model, load, batch.precision)
             lat = (units - 1) * comm.all_gather(1.0, groups["shard"])
             t_ag = comm.all_gather(gather, groups["shard"]) + comm.all_gather(
                 gather_linear * expert_p, groups["shard_experts"]) + lat
@@ -269,9 +319,21 @@ def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
                 sync += t_ag
         tau = (t_comp + a_time["tp"] * (1 - params.tp_overlap) + a_time["ep"] * (1 - params.ep_overlap)
                + cp_exposed + pp_exposed + ag_exposed)
+        # framework overhead: added on a CPU, overlapped with the kernels on a GPU (docstring)
+        per_mb, per_step_n = overhead_counts(lo, model, load, batch, m)
+        host = sum(n * getattr(params, k) for k, n in per_mb.items())
+        device_tau = tau
+        if cluster.cluster.device == "cpu":
+            tau += host
+        elif host > tau:
+            tau = host
+        else:
+            per_mb = dict.fromkeys(per_mb, 0.0)
+        sync += sum(n * getattr(params, k) for k, n in per_step_n.items())
         per_step = {axis: m if axis in ("tp", "cp", "ep", "pp") else 1 for axis in comm.AXES}
         per_load.append((tau, sync, {a: v * per_step[a] for a, v in a_bytes.items()},
-                         {a: v * per_step[a] for a, v in a_time.items()}))
+                         {a: v * per_step[a] for a, v in a_time.items()}, per_mb, per_step_n,
+                         tau - device_tau))
     taus = [per_load[i][0] for i in index]
     syncs = [per_load[i][1] for i in index]
     # memory grows with the micro-batches in flight: per kind of rank, the one holding the most
@@ -291,6 +353,12 @@ def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
     tau = taus[slowest]
     pipe = (m + slots) * tau
     step = pipe + max(syncs)
+    counts_mb = per_load[index[slowest]][4]
+    counts_step = per_load[index[max(range(len(syncs)), key=syncs.__getitem__)]][5]
+    counts = {k: (m + slots) * counts_mb.get(k, 0.0) + counts_step.get(k, 0.0)
+              for k in OVERHEAD_FIELDS}
+    overhead = m * per_load[index[slowest]][6] + sum(n * getattr(params, k)
+                                                     for k, n in counts_step.items())
     tokens_per_s = batch.tokens / step
     mfu = model_flops_per_token(model, s) * tokens_per_s / (cluster.world * raw_peak)
     hw_slowest, _ = rank_flops(model, load, s, tokens_mb, lo.tp, lo.cp)
@@ -302,9 +370,48 @@ def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
     return Prediction(layout=lo, fits=fits, memory=mem, memory_rank=worst_rank,
                       capacity_bytes=cluster.memory_bytes, step_time_s=step,
                       tokens_per_s=tokens_per_s, mfu=mfu, bubble=slots * tau / pipe if pipe else 0.0,
-                      compute_s=compute, exposed_comm_s=max(step - compute - slots * tau, 0.0),
+                      compute_s=compute,
+                      exposed_comm_s=max(step - compute - overhead - slots * tau, 0.0),
                       micro_batches=m, layer_split=tuple(split), stage_time_s=tuple(taus),
-                      comm_bytes=axis_bytes, comm_time_s=axis_time, reason=reason)
+                      comm_bytes=axis_bytes, comm_time_s=axis_time, reason=reason,
+                      overhead_s=overhead, overhead_counts=counts)
+
+
+def fsdp_units(model: ModelDims, load: Any, precision: str) -> int:
+    """FSDP2 units on a rank: one per block (two under bf16, where the norms are wrapped apart
+    to stay fp32: `parallel/data_parallel.apply_fsdp`) and the root."""
+    return load.blocks * (2 if precision == "bf16" else 1) + 1
+
+
+def fsdp_gathers(lo: Layout, m: int) -> int:
+    """All-gathers of each FSDP unit per step: ZeRO-2 keeps the parameters from forward to
+    backward (one per micro-batch), ZeRO-3 gathers again for backward; under pipeline parallel
+    the schedule's hooks gather once per step (ZeRO-2) or once per micro-batch plus one."""
+    if lo.pp == 1:
+        return m if lo.zero == 2 else 2 * m
+    return 1 if lo.zero == 2 else m + 1
+
+
+def overhead_counts(lo: Layout, model: ModelDims, load: Any, batch: Batch,
+                    m: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The framework-overhead op counts of one rank (keys: `OVERHEAD_FIELDS`): per micro-batch
+    (FSDP units and their gathers, tensor-parallel linears, ring-attention chunks) and per step
+    (ZeRO-1's parameter tensors). Times are counts x the `CostParams` coefficients."""
+    per_mb: dict[str, float] = {}
+    per_step: dict[str, float] = {}
+    recomputed = load.blocks + load.ck_dense + load.ck_moe
+    if lo.zero >= 2 and lo.dp_shard * lo.cp > 1:
+        units = fsdp_units(model, load, batch.precision)
+        per_mb["fsdp_unit_overhead_s"] = float(units)
+        per_mb["fsdp_gather_overhead_s"] = units * fsdp_gathers(lo, m) / m
+    elif lo.zero == 1 and lo.dp > 1:
+        per_step["zero1_tensor_overhead_s"] = float(param_tensors(model, load))
+    if lo.tp > 1 and not model.opaque:
+        per_block = 4 + (3 if model.gated else 2)
+        per_mb["tp_op_overhead_s"] = float(per_block * recomputed + load.first + load.last)
+    if lo.cp > 1:
+        per_mb["cp_chunk_overhead_s"] = float(recomputed * lo.cp)
+    return per_mb, per_step
 
 
 def param_tensors(model: ModelDims, load: Any) -> int:

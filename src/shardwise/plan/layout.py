@@ -4,8 +4,8 @@ The degrees are shardwise's (`shardwise.parallel.dims.ParallelDims`): the world 
 dp_replicate x dp_shard x cp x tp x pp; expert parallel borrows its ranks from dp_shard x cp (as
 torchtitan does), so it does not enter the product. The rules mirror what `shardwise train`
 refuses (`parallel/dims.py`, `parallel/checks.py`) so that every layout the planner returns is one
-shardwise would start — except cp and ep, which the planner models ahead of shardwise running them
-(`Layout.available` says so).
+shardwise would start — except ep, and cp with pp, which the planner models ahead of shardwise
+running them (`Layout.available` says so).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class Layout:
 
     @property
     def available(self) -> bool:
-        """Whether this version of shardwise runs it (context and expert parallel: not yet)."""
-        return self.cp == 1 and self.ep == 1
+        """Whether this version of shardwise runs it (expert parallel, and context parallel with
+        pipeline parallel: not yet)."""
+        return self.ep == 1 and (self.cp == 1 or self.pp == 1)
 
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""

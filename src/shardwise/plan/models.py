@@ -288,16 +288,19 @@ def from_shape(shape: Any, name: str, *, tied: bool = False, supports_tp: bool =
                supports_pp: bool = True, default_global_batch: int = 0) -> ModelDims:
     """`ModelDims` from a `shardwise.models.plan.ModelShape` (read by attribute, so this module
     needs no torch). A shape's `ffn` is taken as a SwiGLU width; a shape with `experts` but no
-    routing facts is planned as top-2 with experts as wide as `ffn` (said in the note)."""
+    top-k is planned as top-2 (said in the note); experts are as wide as `ffn`."""
     note = ""
     experts = int(getattr(shape, "experts", 0) or 0)
-    if experts:
+    top_k = int(getattr(shape, "top_k", 0) or 0)
+    if experts and not top_k:
         note = f"{experts} experts assumed top-2, each of width ffn (the shape says no more)"
     dims = ModelDims(name=name, params_declared=int(shape.params), layers=int(shape.layers or 0),
                      hidden=int(shape.hidden or 0), heads=int(shape.heads or 0),
                      kv_heads=int(shape.kv_heads or 0), ffn=0 if experts else int(shape.ffn or 0),
                      vocab=int(shape.vocab or 0), seq_len=int(shape.seq_len or 0), tied=tied,
-                     experts=experts, top_k=2 if experts else 0,
+                     experts=experts, top_k=(top_k or 2) if experts else 0,
+                     shared_experts=int(getattr(shape, "shared_experts", 0) or 0) if experts
+                     else 0,
                      expert_ffn=int(shape.ffn or 0) if experts else 0,
                      supports_tp=supports_tp, supports_pp=supports_pp,
                      default_global_batch=default_global_batch, note=note, source="model plan")

@@ -55,7 +55,8 @@ def human(result: PlanResult, top: int) -> str:
         if not best.layout.available:
             ready = next((p for p in result.feasible if p.layout.available), None)
             lines.append("")
-            lines.append("note: #1 uses context / expert parallel, which shardwise does not run yet"
+            lines.append("note: #1 uses expert parallel (or context with pipeline parallel), "
+                         "which shardwise does not run yet"
                          + (f"; the best it runs today: {ready.layout.name()} ({100 * ready.mfu:.1f} % MFU)"
                             if ready else "") + ".")
         if not m.opaque:
@@ -137,5 +138,6 @@ def spec_text(pred: Prediction, result: PlanResult, base: RunSpec | None) -> str
         header.append(f"# {c.nodes} nodes: start it under torchrun --nnodes {c.nodes} "
                       f"--nproc-per-node {c.devices_per_node} (the world is their product)")
     if not lo.available:
-        header.append("# cp / ep > 1: this version of shardwise does not run them yet")
+        header.append("# ep > 1, or cp > 1 with pp > 1: this version of shardwise does not run "
+                      "them yet")
     return "\n".join(header) + "\n\n" + body

@@ -393,12 +393,49 @@ def optimizer_plot(run: Run) -> Plot:
         ax.set(ylabel=key.replace("_", " "))
         if key == "loss_scale":
             ax.set_yscale("log", base=2)
+    return _finish_step_panels(plot, fig, axes, run)
+
+
+def _finish_step_panels(plot: Plot, fig: Figure, axes: list[Axes], run: Run) -> Plot:
+    """Panels stacked over a shared step axis: grid, relaunch marks, integer steps, the PNG."""
+    for ax in axes:
         ax.grid(alpha=0.3)
         _mark_relaunches(ax, run, label=False)
     axes[-1].set_xlabel("step")
     _integer_x(*axes)
     plot.png = _png(fig)
     return plot
+
+
+def experts_plot(run: Run) -> Plot:
+    """Routing of a mixture-of-experts run, from the step events' `moe_*` fields
+    (`shardwise.telemetry.experts`)."""
+    plot = Plot("experts", "Experts", "Assignments per expert per layer (min-max band and mean), "
+                "load imbalance (coefficient of variation, 0 = balanced) and the Switch balance "
+                "loss (1.0 = balanced); dropped assignments and the selection bias's drift when "
+                "the run has them.")
+    steps = run.steps()
+    band = [(e["step"], num(e, "moe_load_min"), num(e, "moe_load_mean"), num(e, "moe_load_max"))
+            for e in steps]
+    band = [b for b in band if all(finite(v) for v in b[1:])]
+    if not band:
+        plot.omitted = "no moe_load_* fields in step events (not a mixture-of-experts run)"
+        return plot
+    extra = [k for k in ("moe_dropped_fraction", "moe_bias_abs_max")
+             if any(v for v in _series(steps, k)[1])]
+    fig, axes = _figure(3 + len(extra), 2.0, sharex=True)
+    xs = [b[0] for b in band]
+    axes[0].fill_between(xs, [b[1] for b in band], [b[3] for b in band], alpha=0.3,
+                         label="min-max over experts and layers")
+    axes[0].plot(xs, [b[2] for b in band], marker=".", label="mean")
+    axes[0].set(ylabel="assignments")
+    axes[0].legend(loc="best", fontsize="small")
+    for ax, key, label in zip(axes[1:], ("moe_load_cv", "moe_aux_loss", *extra),
+                              ("load CV", "balance loss", *(k.removeprefix("moe_").replace(
+                                  "_", " ") for k in extra)), strict=True):
+        ax.plot(*_series(steps, key), marker=".")
+        ax.set(ylabel=label)
+    return _finish_step_panels(plot, fig, axes, run)
 
 
 def checkpoint_plot(run: Run) -> Plot:
@@ -474,8 +511,8 @@ def timeline_plot(run: Run) -> Plot:
 
 
 RUN_PLOTS: tuple[Callable[[Run], Plot], ...] = (
-    step_time_plot, comm_plot, memory_plot, bubble_plot, optimizer_plot, checkpoint_plot,
-    timeline_plot)
+    step_time_plot, comm_plot, memory_plot, bubble_plot, optimizer_plot, experts_plot,
+    checkpoint_plot, timeline_plot)
 COMPARE_PLOTS: tuple[Callable[[list[Run]], Plot], ...] = (loss_plot, throughput_plot)
 
 

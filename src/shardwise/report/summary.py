@@ -57,7 +57,18 @@ def _summary(run: Run) -> dict[str, str]:
         "faults": _faults(run),
         "checkpoints": (f"{len(checkpoints)}, {sum(saves):.2f} s saving" if saves
                         else str(len(checkpoints))),
+        "expert balance": _experts(last_step),
     }
+
+
+def _experts(step_event: dict[str, Any]) -> str:
+    """The last step's routing (mixture-of-experts runs): load imbalance and balance loss."""
+    cv, aux = num(step_event, "moe_load_cv"), num(step_event, "moe_aux_loss")
+    if not finite(cv):
+        return MISSING
+    dropped = num(step_event, "moe_dropped_fraction")
+    return (f"load CV {cv:.3f}, balance loss {_f(aux, 3)}"
+            + (f", {100 * dropped:.1f} % dropped" if finite(dropped) and dropped else ""))
 
 
 def _latest(step_event: dict[str, Any], step_key: str, end: dict[str, Any], end_key: str

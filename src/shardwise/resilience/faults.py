@@ -9,6 +9,8 @@ A fault list is `;`-separated; each fault is `kind:key=value:key=value`, for exa
     mismatch:rank=1:step=3:phase=backward  issue one stray 1-element all-reduce on the data-parallel
                                            group: a collective mismatch, as a bug would cause
     corrupt:step=4                         flip a byte of a checkpoint file after it is committed
+    signal:rank=1:step=3:sig=SIGUSR1       send this rank a signal (default SIGTERM) as step 3
+                                           enters forward: a preemption that reaches one rank
 Phases: data, forward, backward, optimizer, checkpoint-write. `rank` defaults to every rank,
 `step` to every step. A fault fires in restart attempt 0 only (set `attempt=N` for another), so
 that the restarted run can get past it.
@@ -29,7 +31,7 @@ from shardwise.errors import SpecError, show
 if TYPE_CHECKING:  # the spec validates fault lists, and the spec layer imports no torch
     import torch
 
-KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch")
+KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch", "signal")
 PHASES = ("data", "forward", "backward", "optimizer", "checkpoint-write")
 
 
@@ -45,6 +47,7 @@ class Fault:
     phase: str | None = None
     ms: float = 0.0
     attempt: int = 0
+    sig: str = "SIGTERM"  # the `signal` kind's signal
 
     def matches(self, rank: int, step: int, phase: str | None, attempt: int) -> bool:
         return (self.attempt == attempt and (self.rank is None or self.rank == rank)
@@ -69,9 +72,13 @@ def parse_faults(text: str) -> list[Fault]:
                     raise SpecError(f"failure.faults: unknown fault phase {show(value, 30)} in "
                                     f"{show(item)}; choose one of {', '.join(PHASES)}.")
                 values[key] = value
+            elif key == "sig":
+                from shardwise.resilience.preempt import parse_signals
+
+                values[key] = parse_signals(value)[0].name if value else "SIGTERM"
             else:
                 raise SpecError(f"failure.faults: unknown fault option {show(key, 30)} in "
-                                f"{show(item)}; use rank, step, phase, ms or attempt.")
+                                f"{show(item)}; use rank, step, phase, ms, attempt or sig.")
         faults.append(Fault(kind, **values))  # type: ignore[arg-type]
     return faults
 
@@ -106,19 +113,24 @@ class FaultInjector:
     @classmethod
     def from_spec(cls, spec_faults: str, rank: int) -> FaultInjector:
         text = ";".join(filter(None, [spec_faults, os.environ.get("SHARDWISE_FAULTS", "")]))
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        from shardwise.resilience.attempt import launch_attempt
+
+        attempt = launch_attempt()
         return cls(parse_faults(text), rank, attempt)
 
     def at(self, phase: str, step: int) -> None:
         """Called as `step` (1-based) enters `phase`."""
         for fault in self.faults:
-            if fault.kind in ("kill", "raise", "hang", "mismatch") and fault.phase is None:
+            if fault.kind in ("kill", "raise", "hang", "mismatch", "signal") \
+                    and fault.phase is None:
                 fault = Fault(fault.kind, fault.rank, fault.step, "forward", fault.ms,
-                              fault.attempt)
+                              fault.attempt, fault.sig)
             if not fault.matches(self.rank, step, phase, self.attempt):
                 continue
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "signal":
+                os.kill(os.getpid(), signal.Signals[fault.sig])
             if fault.kind == "raise":
                 raise InjectedFault(f"injected fault at step {step}, phase {phase}, rank "
                                     f"{self.rank}")

@@ -17,7 +17,8 @@ def generate(pm: ParallelModel, prompt_ids: list[int], *, new_tokens: int, seq_l
              temperature: float, top_k: int, seed: int) -> list[int]:
     pm.eval()
     ctx = pm.ctx
-    drawer = pm.holds_last_stage and pm.tp_rank == 0 and ctx.dp_rank == 0
+    # (cp ranks each run the whole window: the model's own attention outside training)
+    drawer = pm.holds_last_stage and pm.tp_rank == 0 and ctx.dp_rank == 0 and pm.cp_rank == 0
     gen = torch.Generator(device="cpu").manual_seed(seed)
     prompt = prompt_ids or [0]
     ids = torch.tensor([prompt], dtype=torch.long, device=ctx.device)

@@ -6,17 +6,28 @@ machine never collide on a fixed port.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import os
 import shutil
+import signal
 import sys
 import uuid
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.data import PreparedData
 from shardwise.parallel.dims import ParallelDims
+from shardwise.resilience.preempt import (
+    PREEMPTED_EXIT,
+    agent_signals,
+    marker_message,
+    read_marker,
+)
 from shardwise.spec.runspec import RunSpec
 
 #: Workers started by `launch_local` write user errors here instead of printing them N times.
@@ -31,16 +42,33 @@ class WorkersFailed(Exception):
         self.exit_code = exit_code
 
 
+class Preempted(WorkersFailed):
+    """A preemption signal stopped the run after a committed checkpoint (exit code 75)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, PREEMPTED_EXIT)
+
+
+def check_preempted(run_dir: Path) -> None:
+    """Raise Preempted when this launch's workers stopped on a preemption signal."""
+    marker = read_marker(run_dir)
+    if marker is not None:
+        raise Preempted(marker_message(run_dir, marker))
+
+
 def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
-                 worker_args: tuple[str, ...] = ()) -> None:
-    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait."""
+                 worker_args: tuple[str, ...] = (), preempt_signals: str = "",
+                 grace_s: float = 30.0) -> None:
+    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait. A
+    preemption signal to this process is forwarded to the workers, which get `grace_s` to
+    commit their checkpoint before the agent kills them."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # Our own message below names the failed ranks; the agent's log lines would repeat it.
         logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-        monitor_interval=0.1,
+        monitor_interval=0.1, **_agent_signal_options(preempt_signals, grace_s),
     )
     args = ["-m", "shardwise.run.worker", str(run_dir), *(["--resume"] if resume else []),
             *worker_args]
@@ -48,6 +76,13 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
     shutil.rmtree(errors, ignore_errors=True)
     try:
         elastic_launch(config, sys.executable)(*args)
+    except SignalException as err:  # the agent forwarded it and waited for the workers
+        check_preempted(run_dir)
+        raise WorkersFailed(
+            f"stopped by {signal.Signals(err.sigval).name} before the workers committed a "
+            f"preemption checkpoint (failure.preempt_signals does not list it, or the save took "
+            f"longer than failure.preempt_grace_s = {grace_s:g}). Continue from the last "
+            f"checkpoint with `shardwise train --resume {run_dir}`.", 1) from None
     except ChildFailedError as err:
         codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
         messages = sorted({p.read_text() for p in errors.glob("rank-*.txt")})
@@ -64,6 +99,19 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
             f"{run_dir}`.", 1) from None
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def _agent_signal_options(preempt_signals: str, grace_s: float) -> dict[str, object]:
+    """LaunchConfig's signal fields where this torch has them (older ones read the env)."""
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    options: dict[str, object] = {}
+    if "signals_to_handle" in fields:
+        options["signals_to_handle"] = agent_signals(preempt_signals)
+    else:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals(preempt_signals)
+    if "shutdown_timeout" in fields:
+        options["shutdown_timeout"] = max(1, math.ceil(grace_s))
+    return options
 
 
 def explain_failure(run_dir: Path, world: int) -> str:
@@ -96,6 +144,17 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
     return spec.replace("data", content_hash=data.content_hash, tokenizer_hash=data.tokenizer_hash)
 
 
+def with_model_tokenizer(spec: RunSpec) -> RunSpec:
+    """A model fine-tuned from a directory (`model.hf_path`) reads text with its own tokenizer:
+    `data.tokenizer` is set to the directory's tokenizer.json unless the user named one."""
+    if spec.model.family != "hf" or not spec.model.hf_path:
+        return spec
+    from shardwise.data import resolve_tokenizer
+    from shardwise.models.hf.build import hf_dir
+
+    return dataclasses.replace(spec, data=resolve_tokenizer(spec.data, hf_dir(spec.model)))
+
+
 def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec, ParallelDims]:
     """Every check that needs no worker, before any worker starts: the worker count against the
     machine's GPUs (and `nproc = 0` resolved to a number), layout against the world size, batch
@@ -108,6 +167,7 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     from shardwise.parallel.devices import resolve_backend, resolve_device_type, resolve_nproc
     from shardwise.parallel.support import check_torch_supports
 
+    spec = with_model_tokenizer(spec)
     device_type = resolve_device_type(spec.parallel)
     check_torch_supports(spec, resolve_backend(spec.parallel, device_type))
     spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel, device_type))
@@ -116,6 +176,11 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     if data is None:  # after the cheap checks: preparing a corpus can take a while
         data = prepare_data(spec.data)
     plan = describe_model(spec.model, data.vocab_size, spec.data.seq_len)
+    if dims.cp > 1 and spec.model.family == "hf":
+        from shardwise.models.hf.attention import check_context_parallel
+        from shardwise.models.hf.build import load_config
+
+        check_context_parallel(load_config(spec.model, data.vocab_size, spec.data.seq_len))
     check_layout(spec, dims, plan, layout.accumulation)
     check_memory(spec, dims, plan, device_type)
     return with_data_hashes(spec, data), dims
@@ -209,7 +274,21 @@ def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
     print(f"run directory: {run_dir}  ({dims.describe()}, {nproc} worker"
           f"{'s' if nproc > 1 else ''})", file=sys.stderr)
     run_local(spec, run_dir, resume is not None)
+    if spec.checkpoint.hf_export:
+        export_hf_at_end(spec, run_dir)
     return run_dir
+
+
+def export_hf_at_end(spec: RunSpec, run_dir: Path) -> None:
+    """`checkpoint.hf_export`: the run's newest checkpoint as a from_pretrained directory."""
+    from shardwise.checkpoint.export import export_hf_dir, newest_checkpoint
+
+    out = Path(spec.checkpoint.hf_export).expanduser()
+    out = out if out.is_absolute() else run_dir / out
+    checkpoint = newest_checkpoint(run_dir)
+    export_hf_dir(checkpoint, out, spec)
+    print(f"exported {checkpoint.name} to {out} (AutoModelForCausalLM.from_pretrained loads it)",
+          file=sys.stderr)
 
 
 def launch(spec: RunSpec, resume: str | None = None) -> Path:
@@ -219,7 +298,8 @@ def launch(spec: RunSpec, resume: str | None = None) -> Path:
 
 
 def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = False) -> None:
-    """Train `spec` in RUN_DIR on `parallel.nproc` local workers (in this process when 1)."""
+    """Train `spec` in RUN_DIR on `parallel.nproc` local workers (in this process when 1).
+    Raises Preempted when a preemption signal stopped it after a committed checkpoint."""
     if spec.parallel.nproc == 1:
         from shardwise.run.worker import dump_final_state, run_worker
 
@@ -227,4 +307,7 @@ def run_local(spec: RunSpec, run_dir: Path, resume: bool, dump_state: bool = Fal
     else:
         launch_local(run_dir, spec.parallel.nproc, resume,
                      max_restarts=spec.failure.max_restarts,
-                     worker_args=("--dump-state",) if dump_state else ())
+                     worker_args=("--dump-state",) if dump_state else (),
+                     preempt_signals=spec.failure.preempt_signals,
+                     grace_s=spec.failure.preempt_grace_s)
+    check_preempted(run_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -62,7 +63,32 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "packages_sha256": hashlib.sha256("\n".join(packages).encode()).hexdigest(),
         "packages_count": len(packages),
+        "container": container(),
     }
+
+
+#: set by the images in containers/ (Dockerfile ENV, Apptainer %environment) to their name
+IMAGE_ENV = "SHARDWISE_IMAGE"
+
+
+def container(environ: dict[str, str] | None = None, root: Path = Path("/")) -> dict[str, Any] | None:
+    """The container this process runs in, if any: the runtime (Apptainer/Singularity from their
+    environment, Docker from /.dockerenv, Podman from /run/.containerenv) and the image (the
+    name our images record in $SHARDWISE_IMAGE, else the Apptainer image file). None outside a
+    container. A run's numbers depend on the image's torch and libraries, so it is recorded."""
+    env = os.environ if environ is None else environ
+    runtime = None
+    if env.get("APPTAINER_CONTAINER") or env.get("SINGULARITY_CONTAINER"):
+        runtime = "apptainer"
+    elif (root / ".dockerenv").exists():
+        runtime = "docker"
+    elif (root / "run" / ".containerenv").exists():
+        runtime = "podman"
+    image = (env.get(IMAGE_ENV) or env.get("APPTAINER_CONTAINER")
+             or env.get("SINGULARITY_CONTAINER"))
+    if runtime is None and image is None:
+        return None
+    return {"runtime": runtime, "image": image}
 
 
 def device_name(device: torch.device) -> str:

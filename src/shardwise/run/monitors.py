@@ -60,7 +60,11 @@ class Monitors:
         if ctx.distributed:
             self.recorder = FlightRecorder(self.directory, ctx.rank, ctx.world_size)
             if spec.telemetry.comm:
-                self.tap = CommTap(axes_of(ctx.mesh, ctx.dp_mesh), self.recorder).install()
+                axes = axes_of(ctx.mesh, ctx.dp_mesh)
+                for name, mesh in (("dp_cp", ctx.dp_cp_mesh), ("dp_shard_cp", ctx.fsdp_cp_mesh)):
+                    if mesh is not None and mesh.ndim == 1:  # context parallel's gradient groups
+                        axes[mesh.get_group().group_name] = name
+                self.tap = CommTap(axes, self.recorder).install()
             if spec.failure.hang_timeout_s > 0:
                 # the watchdog also resolves device-timed completions (progress) while the
                 # training thread is blocked on the device

@@ -213,7 +213,11 @@ def _counted_here(grad: torch.Tensor, ctx: DistContext) -> bool:
 
 
 #: names of flattened mesh views and the axes they stand for
-FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             # the expert mesh (parallel/expert.py): two factors of the data- and
+             # context-parallel ranks
+             "edp": ("dp_replicate", "dp_shard", "cp"), "ep": ("dp_replicate", "dp_shard", "cp")}
 
 
 def clip_grads(pm: ParallelModel, max_norm: float, total: torch.Tensor) -> None:

@@ -13,8 +13,9 @@ answer to `Trainer.start`, which alone acts on it:
 
 from __future__ import annotations
 
-import os
 from enum import Enum
+
+from shardwise.resilience.attempt import launch_attempt
 
 
 class ResumeMode(Enum):
@@ -24,8 +25,9 @@ class ResumeMode(Enum):
 
 
 def restart_attempt() -> int:
-    """0 for the first start, N after the launcher restarted the workers N times."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """0 for the first start, N after the launcher restarted the workers N times (agreed by
+    every node: see shardwise.resilience.attempt)."""
+    return launch_attempt()
 
 
 def resume_mode(requested: bool, attempt: int | None = None) -> ResumeMode:

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.data.loader import Batch
+from shardwise.models.aux_loss import aux_loss_scale
 from shardwise.models.plan import IGNORE_INDEX
+from shardwise.parallel.expert import end_step
 from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.resilience.faults import FaultInjector
@@ -40,6 +42,8 @@ class StepResult:
     norm: torch.Tensor | None = None  # global gradient norm before clipping (device)
     loss: float | None = None  # global mean token loss of the step, once resolved
     grad_norm: float | None = None  # the norm (after unscaling under fp16), once resolved
+    # MoE: {module name: routing figures of the step} (parallel.expert.end_step), else None
+    experts: dict | None = None
 
     @property
     def resolved(self) -> bool:
@@ -48,7 +52,8 @@ class StepResult:
 
 def counted(pm: ParallelModel, local: torch.Tensor) -> torch.Tensor:
     """This rank's contribution to a global sum of loss figures: the last pipeline stage holds
-    the loss and every tp rank holds the same one, so only tp rank 0 of the last stage counts."""
+    the loss and every tp rank holds the same one, so only tp rank 0 of the last stage counts.
+    Every cp rank counts: each holds the loss of its own chunks of the sequences."""
     if pm.holds_last_stage and pm.tp_rank == 0:
         return local.detach().double()
     return torch.zeros(local.shape, dtype=torch.float64, device=pm.ctx.device)
@@ -118,7 +123,8 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         loss_scale = (scale / global_tokens).float()  # fp32, as a Python scale would act
     else:
         loss_scale = scale / global_tokens
-    local_sum = pm.forward_backward(batches, loss_scale)
+    with aux_loss_scale(loss_scale):  # a model's auxiliary losses (MoE) scale like the loss
+        local_sum = pm.forward_backward(batches, loss_scale)
     _reduce_partial_grads(pm)
     if faults is not None:
         faults.after_backward(step + 1, pm.parameters())
@@ -142,8 +148,10 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
             faults.at("optimizer", step + 1)
         optimizers.step()
     optimizers.zero_grad()
+    experts = end_step(pm, updated=not skipped)  # non-gradient updates (MoE selection bias)
     return StepResult(step + 1, lr, global_tokens, skipped, current_scale,
-                      loss_sum=counted(pm, local_sum.reshape(())), norm=norm.detach())
+                      loss_sum=counted(pm, local_sum.reshape(())), norm=norm.detach(),
+                      experts=experts or None)
 
 
 def _reduce_partial_grads(pm: ParallelModel) -> None:
@@ -171,8 +179,9 @@ def evaluate(pm: ParallelModel, batches: Iterable[tuple[Batch, bool]]) -> EvalRe
     pm.eval()
     # loss sum, real targets, correct top-1 predictions, batches whose outputs are not scores
     sums = torch.zeros(4, dtype=torch.float64, device=pm.ctx.device)
-    for (inputs, targets), real in batches:
-        outputs = pm.logits(inputs)
+    for (inputs, full_targets), real in batches:
+        # this rank's share of the sequence under context parallel (counted on every cp rank)
+        outputs, targets = pm.sequence_logits(inputs, full_targets)
         if outputs is not None and real:
             real_mask = targets != IGNORE_INDEX
             sums[0] += pm.token_loss_sum(outputs, targets).double()

@@ -36,6 +36,7 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import configure_kernels
 from shardwise.parallel.support import check_torch_supports
 from shardwise.resilience.faults import FaultInjector
+from shardwise.resilience.preempt import Preemption, clear_marker, write_marker
 from shardwise.run import manifest, rundir
 from shardwise.run.generate import generate
 from shardwise.run.loss_scale import LossScaler
@@ -46,6 +47,7 @@ from shardwise.run.step import StepLog, StepResult, evaluate, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog, syncs
 from shardwise.telemetry.comm_theory import min_wire_bytes
+from shardwise.telemetry.experts import merge_rows, summary_row
 from shardwise.telemetry.memory import current_rss_bytes
 from shardwise.telemetry.perf import RunPerf
 from shardwise.utils.files import atomic_write_text
@@ -76,9 +78,11 @@ class Hook:
     every: int
     fn: Callable[[Trainer, StepResult], None]
     at_end: bool = True
+    on_stop: bool = False  # also on the step a preemption stops at (log and checkpoint only)
 
-    def due(self, step: int, last: bool) -> bool:
-        return (self.every > 0 and step % self.every == 0) or (self.at_end and last)
+    def due(self, step: int, last: bool, stopping: bool = False) -> bool:
+        return ((self.every > 0 and step % self.every == 0) or (self.at_end and last)
+                or (self.on_stop and stopping))
 
 
 @dataclass
@@ -93,6 +97,7 @@ class TrainSummary:
     unigram_loss: float = 0.0
     model_params: int = 0
     extra: Any = None
+    preempted: dict[str, Any] | None = None  # the marker's fields when a signal stopped the run
 
 
 class Trainer:
@@ -120,6 +125,7 @@ class Trainer:
         self.num_params = plan.shape.params
         self.model = parallelize(model, ctx, spec, self.layout.accumulation, record=init)
         del model, init  # the record (RNG states, constants) is not needed after materialising
+        self._load_pretrained()  # before the optimizers copy anything (ZeRO-1 master shards)
         self.optimizers = Optimizers(self.model, spec.optimizer)
         self.scaler = LossScaler(spec.loss_scale) if spec.run.precision == "fp16" else None
         self.meter = ModelStateMeter(self.model, self.optimizers)
@@ -139,14 +145,18 @@ class Trainer:
         self.checkpointer = Checkpointer.for_run(run_dir / "checkpoints", spec.checkpoint, ctx.rank,
                                                  ctx.distributed, spec.parallel.timeout_s,
                                                  device=ctx.device)
+        # collective (a gloo group of its own), after the checkpointer's, on every rank alike
+        self.preemption = Preemption.start(spec.failure.preempt_signals, ctx.distributed,
+                                           spec.parallel.timeout_s)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
-        self.log_hook = Hook("log", spec.log.every, _log_hook)
+        self.log_hook = Hook("log", spec.log.every, _log_hook, on_stop=True)
         self.hooks = [
             self.log_hook,
             Hook("eval", spec.eval.every, _eval_hook),
+            # a preemption saves even where checkpoint.enabled = false: the run is to resume
             Hook("checkpoint", spec.checkpoint.every, _checkpoint_hook,
-                 at_end=spec.checkpoint.enabled),
+                 at_end=spec.checkpoint.enabled, on_stop=True),
         ]
         self._step_times: list[float] = []
         self._syncs: list[int] = []  # host syncs per step (GPU, SHARDWISE_SYNC_DEBUG=1)
@@ -201,6 +211,19 @@ class Trainer:
                   "verifies", file=sys.stderr)
         self.resume(checkpoint)
         rundir.check_steps_left(self.run_dir, self.state.step, self.spec)
+
+    def _load_pretrained(self) -> None:
+        """Pretrained weights (`model.hf_path`): each rank reads its own shards of them. A
+        resume then overwrites them with the checkpoint's."""
+        if self.spec.model.family != "hf" or not self.spec.model.hf_path:
+            return
+        from shardwise.checkpoint.hf import load_pretrained
+
+        t0 = time.perf_counter()
+        root = Path(self.spec.model.hf_path).expanduser()
+        count = load_pretrained(self.model.parts, self.spec.model, root, self.ctx.distributed)
+        self.events.emit("pretrained", 0, path=str(root.resolve()), tensors=count,
+                         load_s=round(time.perf_counter() - t0, 4))
 
     def resume(self, checkpoint: Path) -> None:
         t0 = time.perf_counter()
@@ -262,13 +285,23 @@ class Trainer:
         self._emit_start()
         t_start = time.perf_counter()
         self.monitors.start()
+        if self.ctx.is_main:
+            clear_marker(self.run_dir)  # the marker a launcher reads is this launch's
         try:
             self._loop()
+        except BaseException:
+            self.preemption.close(wait=False)  # a peer may be gone: wait for nothing
+            raise
+        else:
+            self.preemption.close(wait=True)
         finally:
             self.checkpointer.close(self.monitors.paused)  # an async save in flight commits first
             self.monitors.close()
         self.summary.final_step = self.state.step
         self.ledger.close()
+        if self.summary.preempted is not None:
+            self._end_preempted()
+            return self.summary
         if self.state.step == self.spec.run.steps and self.spec.sample.tokens:
             self._sample()
         self.events.emit("run_end", self.state.step, wall_s=round(time.perf_counter() - t_start, 3),
@@ -284,7 +317,9 @@ class Trainer:
     def _loop(self) -> None:
         for result in self.steps():
             last = result.step == self.stop_step
-            result = self._resolve_if_read(result, last)
+            # collective, at every step boundary: stop if a signal reached any rank
+            stopping = self.preemption.poll() and not last
+            result = self._resolve_if_read(result, last or stopping)
             if self._guard_numerics(result):
                 continue  # rolled back: the loop goes on from the checkpoint's step
             if self.meter.report is not None and not self._state_logged:
@@ -299,11 +334,38 @@ class Trainer:
                                  steps_lost=None if reached is None
                                  else max(0, reached - self._start_step))
             for hook in self.hooks:
-                if hook.due(result.step, last):
+                if hook.due(result.step, last, stopping):
                     writing = hook.name == "checkpoint"
                     self.monitors.phase("checkpoint" if writing else "hook", result.step)
                     with self.monitors.paused() if writing else contextlib.nullcontext():
                         hook.fn(self, result)
+            if stopping:
+                self.summary.preempted = {"step": result.step,
+                                          "signal": self.preemption.signal_name,
+                                          "checkpoint": self.summary.checkpoint}
+                return
+
+    def _end_preempted(self) -> None:
+        """After the preemption checkpoint committed (fit closed the checkpointer): the
+        `preempted` event, and the marker the launcher turns into exit code 75 (rank 0)."""
+        info = self.summary.preempted
+        assert info is not None and self.preemption.agreed_at is not None
+        now = time.time()
+        grace = self.spec.failure.preempt_grace_s
+        signalled = self.preemption.flag.at
+        info.update(seconds_to_commit=round(now - self.preemption.agreed_at, 3),
+                    seconds_since_signal=round(now - signalled, 3) if signalled else None,
+                    grace_s=grace, within_grace=signalled is None or now - signalled <= grace)
+        self.events.emit("preempted", self.state.step,
+                         **{k: v for k, v in info.items() if k != "step"})
+        if self.ctx.is_main:
+            write_marker(self.run_dir, info)
+            if not info["within_grace"]:
+                print(f"warning: the preemption checkpoint committed {now - signalled:.1f} s "
+                      f"after the signal, beyond failure.preempt_grace_s = {grace:g}: on a "
+                      "cluster the job would have been killed first. Raise the grace period "
+                      "(and the scheduler's signal lead time) or save faster "
+                      "(checkpoint.async_save).", file=sys.stderr)
 
     def _resolve_if_read(self, result: StepResult, last: bool) -> StepResult:
         """Keep the step's loss and norm on the device unless something reads them now: a log
@@ -389,7 +451,8 @@ class Trainer:
                                           tokenizer_sha256=self.data.tokenizer_hash,
                                           data_code=data_code,
                                           telemetry=perf.manifest_fields(),
-                                          model={"source": model_source(self.spec.model.family),
+                                          model={"source": model_source(
+                                                     self.spec.model.family, self.spec.model),
                                                  "plan": described(self.model.plan)})
         atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))
 
@@ -432,7 +495,16 @@ def _log_hook(trainer: Trainer, result: StepResult) -> None:
                                 for t in window["step_time_s_per_rank"]],
         **trainer.perf.on_log(trainer, result, step_time),
         tokens_seen=int(trainer.state.tokens_seen), eta_s=remaining * statistics.mean(recent),
-        straggler=trainer.monitors.current_straggler or None)
+        straggler=trainer.monitors.current_straggler or None, **_expert_fields(trainer, result))
+
+
+def _expert_fields(trainer: Trainer, result: StepResult) -> dict[str, float]:
+    """The step's MoE routing figures (telemetry/experts.py); collective when the model has
+    experts (the plan says so on every rank alike), nothing otherwise."""
+    if not trainer.model.plan.experts:
+        return {}
+    rows = trainer.gather(summary_row(result.experts))
+    return merge_rows(rows, trainer.ctx.dims.dp)
 
 
 def _eval_hook(trainer: Trainer, result: StepResult) -> None:

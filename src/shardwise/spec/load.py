@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import tomllib
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -139,6 +140,14 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any], origin: str)
 
 
 def _coerce(where: str, expected: Any, value: Any) -> Any:
+    if isinstance(expected, types.UnionType):  # str | dict: a file path or an inline table
+        if isinstance(value, str):
+            return _checked_str(where, value)
+        if isinstance(value, dict):
+            return _checked_table(where, value)
+        raise SpecError(f"{where} must be a file path (a string) or a table like "
+                        f"{{ model_type = \"llama\", hidden_size = 64 }}, got {show(value)} "
+                        f"({type(value).__name__}).")
     if typing.get_origin(expected) is tuple:  # tuple[int, ...]: an array of whole numbers
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
                                            for v in value):

