@@ -35,7 +35,7 @@ from shardwise.parallel.dims import ParallelDims
 from shardwise.spec.runspec import ModelSection
 from shardwise.utils.local_ranks import run_ranks
 from shardwise.verify.layouts import parse_layout
-from test_parity import assert_model_close
+from test_parity import assert_model_close, assert_ranks_match_reference
 from workers import train, train_single
 
 # (batch, query heads, K/V heads, sequence length as a multiple of 2N, head dim)
@@ -150,12 +150,7 @@ def test_cp_layout_matches_single_process(layout, references, small_corpus, tmp_
                      eval=_eval(seq_len), data={"seq_len": seq_len},
                      parallel={**parallel, "nproc": world})
     results = run_ranks(train, world, spec, timeout=240)
-    for r in results:  # every rank reports the same global loss
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]),
-                                   rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(r["grad_norms"]),
-                                   torch.tensor(reference["grad_norms"]), rtol=1e-4, atol=0)
-    assert_model_close(results[0]["params"], reference["params"], rtol=1e-5)
+    assert_ranks_match_reference(results, reference)
     moments = {k: v.float() for k, v in results[0]["optim"].items() if "exp_avg" in k}
     assert_model_close(moments, {k: reference["optim"][k].float() for k in moments}, rtol=1e-4)
     assert len(moments) == len([k for k in reference["optim"] if "exp_avg" in k])
