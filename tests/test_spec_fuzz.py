@@ -355,7 +355,7 @@ def test_fuzzer_reaches_valid_specs(workdir):
         return spec is not None and spec != RunSpec()
 
     search = settings(max_examples=5000, deadline=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate],
+                      phases=[Phase.generate],
                       suppress_health_check=list(HealthCheck))
     try:
         doc = find(documents(), valid, settings=search)
