@@ -24,8 +24,10 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +38,9 @@ from shardwise.models import build_model
 from shardwise.models.plan import plan_of
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.spec.runspec import ModelSection
-from shardwise.utils.local_ranks import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the rank harness: tests/support
+from tests.support.ranks import run_ranks
 
 
 def _saved_bytes(fn) -> tuple[Any, int]:
@@ -136,7 +140,7 @@ def main() -> None:
             torch.set_num_threads(os.cpu_count() or 1)
             results = [_measure(args, 1, 0, None)]
         else:
-            results = run_ranks(_rank, cp, args, cp, timeout=1200)
+            results = run_ranks(_rank, cp, args, cp, timeout=1200, fresh=True)
         rows.append((cp, results))
         print(cp, results, flush=True)
     base = max(r["saved"] for r in rows[0][1]) if rows[0][0] == 1 else None

@@ -43,7 +43,9 @@ import torch
 from bench_step import append_section, cpu_busy, machine_info
 
 from shardwise.spec import parse_override, spec_from_dict
-from shardwise.utils.local_ranks import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the rank harness: tests/support
+from tests.support.ranks import run_ranks
 
 CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "zero3-1": (1, {"dp_shard": 1, "zero": 3}),
@@ -170,7 +172,7 @@ def main() -> None:
                 for section, values in overrides.items():
                     sections.setdefault(section, {}).update(values)
                 t = time.perf_counter()
-                ranks = run_ranks(measure, world, sections, init, vocab, timeout=1200)
+                ranks = run_ranks(measure, world, sections, init, vocab, timeout=1200, fresh=True)
                 print(f"{config} {init} repeat {repeat}: {time.perf_counter() - t:.1f} s, peak "
                       f"{max(r['peak_mb'] for r in ranks):.0f} MB", flush=True)
                 rows.append({"config": config, "world": world, "init": init, "ranks": ranks})

@@ -82,7 +82,9 @@ from shardwise.run.optim import lr_at
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog
-from shardwise.utils.local_ranks import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the rank harness: tests/support
+from tests.support.ranks import run_ranks
 
 #: name -> (world size, parallel section overrides, model section overrides)
 CONFIGS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
@@ -340,8 +342,9 @@ def _bench_rank(store: dist.Store, fn: Callable[..., Any], args: tuple[Any, ...]
 def spawn_world(world: int, fn: Callable[..., Any], args: tuple[Any, ...],
                 timeout: float) -> list[Any]:
     """`fn(rank, world, *args)` in `world` spawned ranks that share one gloo process group (the
-    shared harness shardwise.utils.local_ranks, threads = cores / ranks); results in rank order."""
-    return run_ranks(_bench_rank, world, fn, args, timeout=timeout)
+    shared harness tests/support/ranks.py in fresh processes, threads = cores / ranks); results
+    in rank order."""
+    return run_ranks(_bench_rank, world, fn, args, timeout=timeout, fresh=True)
 
 
 def _rank_main(rank: int, world: int, plan: list[tuple[str, int, str]],

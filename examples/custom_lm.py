@@ -9,7 +9,7 @@ with biased projections (no key bias: its gradient is zero in exact arithmetic) 
 positional encoding, a GELU MLP in a ModuleDict, blocks in an nn.ModuleList, and optionally tied
 input/output embeddings. Its forward skips the modules a pipeline stage does not hold (set to
 None), as the plan's contract asks. The tests train it under every layout its plan allows
-(tests/test_model_plan.py).
+(tests/distributed/test_model_plan.py).
 """
 
 from __future__ import annotations

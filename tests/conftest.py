@@ -8,9 +8,6 @@ from pathlib import Path
 import pytest
 
 from shardwise.data.corpus import load_text_corpus
-from shardwise.spec import RunSpec, spec_from_dict
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,30 +28,23 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def tiny_spec_dict(corpus: Path, run_dir: Path, **sections: dict) -> dict:
-    """A model of ~60 K parameters on short sequences: milliseconds per step on one core."""
-    spec = {
-        "run": {"name": "tiny", "dir": str(run_dir), "seed": 7, "steps": 5},
-        "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128},
-        "data": {"source": str(corpus), "seq_len": 32, "vocab_size": 512, "val_fraction": 0.05},
-        "batch": {"global_batch": 8, "micro_batch": 2},
-        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
-        "parallel": {"nproc": 1, "timeout_s": 60},
-        "eval": {"every": 0, "batches": 1},
-        "log": {"every": 1, "tensorboard": False, "progress": False},
-        "checkpoint": {"enabled": False},
-        "sample": {"tokens": 0},
-    }
-    for name, values in sections.items():
-        spec.setdefault(name, {}).update(values)
-    return spec
 
 
-def tiny_spec(corpus: Path, run_dir: Path, **sections: dict) -> RunSpec:
-    return spec_from_dict(tiny_spec_dict(corpus, run_dir, **sections)).validate()
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End the pooled ranks with the run (the pool also closes itself at interpreter exit)."""
+    from tests.support.ranks import close_pools
+
+    close_pools()
 
 
-def grid(names, default):
-    """pytest parameters for `names`, where those outside `default` carry the `grid` marker: the
-    default test command runs a representative row per kind of layout, `pytest -m grid` the rest."""
-    return [pytest.param(n, marks=() if n in default else pytest.mark.grid, id=str(n)) for n in names]
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How the pooled ranks were used: jobs run, and every pool retired early and why."""
+    from tests.support import ranks
+
+    if ranks.STARTED:
+        jobs = sum(pool.jobs for pool in ranks.STARTED)
+        terminalreporter.write_line(
+            f"rank pools: {len(ranks.STARTED)} started, {jobs} jobs; retired early: "
+            + ("; ".join(f"world {w} after {n} jobs ({why})" for w, n, why in ranks.RETIRED)
+               or "none"))

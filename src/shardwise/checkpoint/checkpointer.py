@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,8 @@ def full_model_state(parts: list[nn.Module], pp_group: dist.ProcessGroup | None 
     merged across `pp_group`. Meant for small models (tests, export)."""
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
-        merged.update({k: gather_full(v).detach().cpu() for k, v in
+        # (a model's state dict holds tensors: its parameters and buffers)
+        merged.update({k: gather_full(cast(torch.Tensor, v)).detach().cpu() for k, v in
                        get_model_state_dict(part).items()})
     if pp_group is not None:
         gathered: list[Any] = [None] * dist.get_world_size(pp_group)

@@ -17,7 +17,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from shardwise.checkpoint.checkpointer import ModelState
 from shardwise.errors import UserError
 from shardwise.models.plan import find_tied
 from shardwise.spec.runspec import ModelSection
+
+if TYPE_CHECKING:  # the `hf` extra
+    from transformers import PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -106,7 +109,8 @@ def export_hf(model: nn.Module, out_dir: Path, model_section: ModelSection,
                if k not in copies}
     model_file = out_dir / "model.safetensors"
     save_file(tensors, str(model_file), metadata={"format": "pt"})
-    config = copy.deepcopy(model.hf_config)
+    # (set with object.__setattr__ by HFCausalLM: nn.Module's typing sees a tensor or module)
+    config = cast("PretrainedConfig", copy.deepcopy(model.hf_config))
     config.dtype = name  # what from_pretrained reads as the stored dtype
     config.use_cache = True
     config._attn_implementation = None  # shardwise's attention hook is not the reader's

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +24,8 @@ from shardwise.parallel.parallelize import ParallelModel, local_bytes
 
 class Optimizers(Protocol):
     """What the meter reads of the run's optimizers (shardwise.run.optim.Optimizers)."""
+
+    optimizers: list[Any]  # torch optimizers, or wrappers of one (`.optimizer`: ZeRO-1)
 
     def state_tensors(self) -> list: ...
 
@@ -39,7 +42,7 @@ class ModelStateMeter:
             return
         seen = {"gathered": 0, "grads": 0}
 
-        def after_forward(module, args, output) -> None:
+        def after_forward(module: nn.Module, args, output) -> None:
             if isinstance(module, FSDPModule):
                 gathered = sum(p.numel() * p.element_size() for p in module.parameters()
                                if not isinstance(p, DTensor))

@@ -42,6 +42,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -99,11 +100,11 @@ class CPGroup:
 
     @functools.cached_property
     def next_peer(self) -> int:
-        return dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        return dist.get_global_rank(cast(dist.ProcessGroup, self.group), (self.rank + 1) % self.size)
 
     @functools.cached_property
     def prev_peer(self) -> int:
-        return dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        return dist.get_global_rank(cast(dist.ProcessGroup, self.group), (self.rank - 1) % self.size)
 
     def start_shift(self, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list]:
         """Send `send` to the next rank and receive the previous rank's into a new buffer
@@ -201,7 +202,7 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cp: CPGroup) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):
             b, h, t, d = q.shape
@@ -219,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(b, h, t, d).to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         cp: CPGroup = ctx.cp
         with torch.autocast(q.device.type, enabled=False):

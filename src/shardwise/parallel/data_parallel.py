@@ -13,6 +13,7 @@ With dp_replicate > 1 and zero >= 2 the mesh is 2-D: HSDP (shard within, replica
 from __future__ import annotations
 
 import inspect
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
     # ZeRO shards over the expert data-parallel ranks get a unit of their own on that mesh, the
     # rest (replicated over edp) are left alone
     ignored = {p for p in model.parameters() if getattr(p, "_shardwise_expert", False)}
-    skip = {"ignored_params": ignored} if ignored else {}
+    skip: dict[str, Any] = {"ignored_params": ignored} if ignored else {}
     for i, block in enumerate(blocks):
         # ZeRO-2 keeps every block gathered from forward to backward; ZeRO-3 reshards each block
         # after its forward, except the last, whose parameters backward needs at once.
@@ -102,7 +103,7 @@ def sum_gradients(model: nn.Module) -> None:
             sub.set_force_sum_reduction_for_comms(True)
 
 
-def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup,
+def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup | None,
               device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True,
@@ -113,7 +114,7 @@ def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup,
     return ddp
 
 
-def _no_buffer_sync() -> dict[str, bool]:
+def _no_buffer_sync() -> dict[str, Any]:
     """Every rank builds the same parameters and buffers (rotary tables) from the seed, or loads
     them from one checkpoint: nothing to broadcast at start or before each forward. torch 2.13
     renamed the per-forward switch (and warns on the old name)."""
@@ -197,7 +198,7 @@ class Zero1Optimizer:
         """This rank's master slice of a parameter (or gradient) `full`, as a DTensor."""
         expert = self.experts.get(name)
         if expert is not None:
-            rows = expert.rows(full.to_local())
+            rows = expert.rows(cast(DTensor, full).to_local())  # expert parameters are DTensors
             return expert.dtensor(rows.clone() if clone else rows)
         local = _local_slice(full, self.mesh)
         return DTensor.from_local(local.clone() if clone else local, self.mesh, [Shard(0)],
@@ -212,9 +213,9 @@ class Zero1Optimizer:
             for name, p in self.named:
                 expert = self.experts.get(name)
                 if expert is not None:
-                    expert.write_back(p, self.shards[name])
+                    expert.write_back(cast(DTensor, p), cast(DTensor, self.shards[name]))
                 else:
-                    p.copy_(self.shards[name].full_tensor())
+                    p.copy_(cast(DTensor, self.shards[name]).full_tensor())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -247,7 +248,8 @@ class Zero1Optimizer:
                     self.optimizer.state[p][key] = state[f"state.{name}.{key}"]
         with torch.no_grad():  # the master shards follow the (already loaded) model parameters
             for name, p in self.named:
-                self.shards[name].to_local().copy_(self._master(name, p.detach()).to_local())
+                master = cast(DTensor, self.shards[name])  # a Parameter around `_master`'s DTensor
+                master.to_local().copy_(self._master(name, p.detach()).to_local())
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:

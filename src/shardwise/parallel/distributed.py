@@ -14,6 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,7 +148,7 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
         attempt = launch_attempt()
         base_store = store
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
     mesh, dp_mesh = build_mesh(dims, device.type)

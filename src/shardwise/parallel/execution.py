@@ -9,6 +9,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -137,14 +138,15 @@ class ParallelModel:
             for p in params:
                 p.grad = None
             if fsdp:  # FSDP reduces every round with the tree reduce-scatter installed on it
-                model.set_requires_gradient_sync(True)
+                cast(FSDPModule, model).set_requires_gradient_sync(True)
             self._phase("forward")
             loss_sum = self.token_loss_sum(model(inputs), targets)
             self._phase("backward")
             (loss_sum * loss_scale).backward()
             total += loss_sum.detach().double()
             if fsdp:
-                acc.push([p.grad for p in params])
+                # every trainable parameter has a gradient after backward
+                acc.push(cast(list[torch.Tensor], [p.grad for p in params]))
             else:
                 flat = _flatten_grads(params, group.size() if group is not None else 1)
                 acc.push([tree_reduce_scatter(flat, group) if group is not None else flat])
@@ -230,6 +232,7 @@ class ParallelModel:
 
     def _pipeline_forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Stage by stage with point-to-point sends: no schedule, so any batch size works."""
+        assert self.ctx.mesh is not None  # pipeline parallel (pp > 1) runs on a mesh
         pp_mesh = self.ctx.mesh["pp"]
         group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
         x: torch.Tensor | None = None

@@ -93,7 +93,8 @@ def apply_expert_parallel(model: nn.Module, plan: ModelPlan, mesh: DeviceMesh, *
             sharded = nn.Parameter(
                 _shard_experts(param.detach(), placed, ep_mesh.get_local_rank(), ep_mesh.size()),
                 requires_grad=param.requires_grad)
-            sharded._shardwise_expert = True  # data_parallel.apply_fsdp gives it its own unit
+            # data_parallel.apply_fsdp gives it its own unit (an attribute Parameter does not declare)
+            sharded._shardwise_expert = True  # type: ignore[attr-defined]
             module.register_parameter(pname, sharded)
             names.append(f"{prefix}.{pname}")
         if zero_over_edp:
@@ -167,7 +168,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -175,7 +176,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)

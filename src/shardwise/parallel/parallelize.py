@@ -59,6 +59,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         if spec.memory.compile:
             apply_compile(model, plan)
         if deferred:
+            assert record is not None  # deferred implies a record
             materialize([model], record, ctx.device)
         return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant)
 
@@ -106,6 +107,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
             parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
                                 blocks=[b for _, b in blocks_of(part, plan)]) for part in parts]
             if deferred:  # fill the local shards FSDP2 laid out (on meta, no memory yet)
+                assert record is not None
                 materialize(parts, record, ctx.device)
                 deferred = False
             if invariant:
@@ -113,10 +115,12 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
                     install_on_fsdp(part)
         elif not invariant:
             if deferred:  # before DDP, which holds the final parameters
+                assert record is not None
                 materialize(parts, record, ctx.device)
                 deferred = False
             parts = [apply_ddp(part, ctx.grad_group(), ctx.device) for part in parts]
     if deferred:
+        assert record is not None
         materialize(parts, record, ctx.device)
     if tied is not None:
         tied.resolve(parts)  # FSDP replaced the parameters by sharded ones: look them up again

@@ -16,7 +16,7 @@ never casts a module's inputs.
 
 What still differs between layouts is the order of fp32 sums (gradient reduction, accumulation)
 and, under tensor parallel, one extra bf16 rounding: a row-parallel matmul rounds each rank's
-partial output to bf16 before the sum. `tests/test_precision_policy.py` states the tolerances.
+partial output to bf16 before the sum. `tests/distributed/test_precision_policy.py` states the tolerances.
 """
 
 from __future__ import annotations

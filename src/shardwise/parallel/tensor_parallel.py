@@ -35,7 +35,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,11 +63,14 @@ def apply_tensor_parallel(model: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh
     regions = [name for name, _ in modules if plan.tp_style(name) == "full_input"]
     for name, module in modules:
         inside = any(name.startswith(r + ".") for r in regions)
-        _parallelize(name, module, plan.tp_style(name), region, loss_parallel, sharded, inside)
+        style = plan.tp_style(name)
+        assert style is not None  # tp_modules keeps only the modules the plan gives a style
+        _parallelize(name, module, style, region, loss_parallel, sharded, inside)
     if sequence_parallel:  # models that count positions from their input's length (plan.py)
         for module in model.modules():
             if hasattr(module, "sequence_shards"):
-                module.sequence_shards = tp_mesh.size()
+                # (a plain int attribute: nn.Module's __setattr__ is typed for tensors and modules)
+                module.sequence_shards = tp_mesh.size()  # type: ignore[assignment]
 
 
 def tp_modules(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:
@@ -199,7 +202,7 @@ def _compute_locally(module: nn.Module, region: TPRegion, *, before: Transform |
             output = after(output)
         bias = params.get("bias")
         if late_bias and bias is not None:
-            output = output + _local(bias, partial_grads)
+            output = output + _local(cast(DTensor, bias), partial_grads)  # rowwise: a DTensor
         return output
 
     module.register_forward_pre_hook(pre, with_kwargs=True)

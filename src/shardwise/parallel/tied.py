@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ class TiedAcrossStages:
     def build(cls, parts: list[nn.Module], ids: list[int], n_stages: int, plan: ModelPlan,
               ctx: DistContext) -> TiedAcrossStages:
         """Collective over the world (process groups are created by every rank in one order)."""
+        assert ctx.mesh is not None  # pipeline parallel (pp > 1) runs on a mesh
         pp_mesh = ctx.mesh["pp"]
         mine = {}
         for group in plan.tied:
@@ -55,9 +57,10 @@ class TiedAcrossStages:
                                group=pp_mesh.get_group())
         me = pp_mesh.get_local_rank()
         groups = []
-        cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        cache: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for tied in plan.tied:
-            holders = tuple(r for r, have in enumerate(every) if have[tied])
+            # (every entry filled by all_gather_object)
+            holders = tuple(r for r, have in enumerate(cast(list[dict], every)) if have[tied])
             pg = None
             if len(holders) > 1:
                 if holders not in cache:
@@ -89,7 +92,7 @@ class TiedAcrossStages:
             grads = [p.grad for p in group.params]
             if any(g is None for g in grads):
                 raise RuntimeError(f"a copy of the tied tensor {group.names} got no gradient")
-            locals_ = [_local(g) for g in grads]
+            locals_ = [_local(g) for g in cast(list[torch.Tensor], grads)]  # none is None (above)
             total = locals_[0] if len(locals_) == 1 else torch.stack(locals_).sum(0)
             if group.process_group is not None:
                 total = total.contiguous()
@@ -114,6 +117,8 @@ def _new_groups_over_pp(ctx: DistContext, holders: tuple[int, ...]) -> dist.Proc
     """One process group per coordinate of the other mesh axes, over the pp ranks `holders`;
     every rank creates all of them (in the same order) and keeps the one it belongs to."""
     mesh = ctx.mesh
+    assert mesh is not None  # called by TiedAcrossStages.build, under pipeline parallel
+    assert mesh.mesh_dim_names is not None  # build_mesh names every axis
     names = list(mesh.mesh_dim_names)
     grid = mesh.mesh.movedim(names.index("pp"), 0)  # (pp, the other axes...)
     others = grid.shape[1:]

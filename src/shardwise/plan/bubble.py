@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from shardwise.plan.models import ModelDims
 
@@ -161,7 +162,8 @@ def rank_loads(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, r
     split = (layer_split(model, stages, seq_len, recompute, ac_every) if not model.opaque
              else (0,))
     owner = stage_ranks(pp, v, schedule) if pp > 1 else [0]
-    acc = [[0, 0, 0, 0, False, False] for _ in range(pp)]
+    # per rank, RankLoad's fields in order: four counts, then first and last
+    acc: list[list[Any]] = [[0, 0, 0, 0, False, False] for _ in range(pp)]
     i = 0
     for s, size in enumerate(split if not model.opaque else ()):
         r = acc[owner[s]]

@@ -316,11 +316,12 @@ class PredictionCache:
                  free: Sequence[str] = ()) -> tuple[float, dict[str, float]]:
         """(step time with the `free` coefficients at 0, the overhead counts)."""
         if not self.cpu[i]:
-            return self.raw(i, dataclasses.replace(params, **dict.fromkeys(free, 0.0)))
+            zeros: dict[str, Any] = dict.fromkeys(free, 0.0)  # (float coefficients)
+            return self.raw(i, dataclasses.replace(params, **zeros))
         zeroed = self.zeroed.get(params)
         if zeroed is None:
-            zeroed = self.zeroed[params] = dataclasses.replace(
-                params, **dict.fromkeys(OVERHEAD_FIELDS, 0.0))
+            no_overhead: dict[str, Any] = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
+            zeroed = self.zeroed[params] = dataclasses.replace(params, **no_overhead)
         t, counts = self.raw(i, zeroed)
         return t + sum(n * getattr(params, f) for f, n in counts.items()
                        if n and f not in free), counts
@@ -495,8 +496,8 @@ def fit(cases: Sequence[Case], params: CostParams, predictions: PredictionCache 
         if min(tried.values(), key=lambda c: (c[0], c[1]))[3] == here:
             break
     value, _, e, o, x = min(tried.values(), key=lambda c: (c[0], c[1]))
-    fitted = dataclasses.replace(params, efficiency=e, overlap=o,
-                                 **dict(zip(free, x, strict=True)))
+    coefficients: dict[str, Any] = dict(zip(free, x, strict=True))
+    fitted = dataclasses.replace(params, efficiency=e, overlap=o, **coefficients)
     current = _log_loss([predictions(i, params) for i in index], measured, (), ())
     return fitted if value <= current else params
 

@@ -52,7 +52,7 @@ step is serial with its parameter all-gathers, so it adds to the step on either 
 Memory is itemised in `plan/memory.py`; on a CPU cluster (`cpu-local`) the optimizer's
 workspace, the host allocator's share (`cpu_fragmentation`) and the process's own runtime
 (`cpu_runtime_overhead_bytes`) replace the CUDA terms — all three measured on this machine's runs
-(tests/test_plan_measured.py), not taken from a GPU.
+(tests/distributed/test_plan_measured.py), not taken from a GPU.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class CostParams:
     # machine (the memory event's rss_before_model_bytes_per_rank; bench_init: 322 MB); the host
     # allocator's resident share above what torch has allocated, and under ZeRO-1 / FSDP the
     # fp32 copies of the rank's whole model glibc keeps of their per-step transients
-    # (`plan/memory.py`; both measured on this machine's runs, tests/test_plan_measured.py).
+    # (`plan/memory.py`; both measured on this machine's runs, tests/distributed/test_plan_measured.py).
     cpu_runtime_overhead_bytes: float = 0.31 * GIB
     cpu_fragmentation: float = 0.05
     cpu_zero1_retained_copies: float = 1.0
@@ -229,7 +229,10 @@ def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
     h = model.hidden
     dense_k, moe_k = kind_flops(model, "dense", s), kind_flops(model, "moe", s)
 
-    per_load: list[tuple[float, float, dict[str, float], dict[str, float]]] = []
+    # per distinct rank load: (tau, sync, bytes per axis, time per axis, overhead counts per
+    # micro-batch, overhead counts per step, what host overhead adds to tau)
+    per_load: list[tuple[float, float, dict[str, float], dict[str, float], dict[str, float],
+                         dict[str, float], float]] = []
     for load in distinct:
         hw, _ = rank_flops(model, load, s, tokens_mb, lo.tp, lo.cp)
         t_comp = hw / peak

@@ -45,18 +45,19 @@ glibc's heap keeps freed chunks that later requests of other sizes cannot use. A
 allocation peak (the profiler's memory events; torch frees the activations before the step's
 workspace, so for that comparison take the larger of the two, not their sum) the terms above are
 within 5 % for DDP, ZeRO-1 and ZeRO-2/3 at world 2 and 4 on the 6.5 M-parameter GPT of
-tests/test_plan_measured.py (ZeRO-2 at world 4: about +10 %). The resident peak keeps both, so the model
-sums them, and is above that by `CostParams.cpu_fragmentation` (5 % of what is allocated) for DDP,
-plus under ZeRO-1 one fp32 copy of the rank's whole model (`cpu_zero1_retained_copies`: the
-per-parameter all-gathers of the updated shards after the step, measured +25 MiB at world 2 and 4
-for a 24.8 MiB model), and under FSDP about `cpu_fsdp_retained_copies` (3.6) such copies: the
-per-unit all-gather outputs and unsharded parameters, unsharded gradients and reduce-scatter inputs
-FSDP allocates and frees every step, whose chunks the activations' sizes do not reuse. Both factors
-are measured (FSDP: 3.1-4.3 across ZeRO-2/3 at world 2 and 4, the largest rank's; glibc's placement
-varies by ~10 % between ranks and runs), not derived, on runs of two steps; the resident peak keeps
-growing a little after that (ZeRO-3 +15 % from step 2 to step 12 in benchmarks/bench_plan.py), and
-tensor- and pipeline-parallel runs keep 25-30 MiB of transients this does not model. On CUDA the
-caching allocator's `fragmentation` (10 % of what is allocated) stands in for all of it.
+tests/distributed/test_plan_measured.py (ZeRO-2 at world 4: about +10 %). The resident peak keeps
+both, so the model sums them, and is above that by `CostParams.cpu_fragmentation` (5 % of what is
+allocated) for DDP, plus under ZeRO-1 one fp32 copy of the rank's whole model
+(`cpu_zero1_retained_copies`: the per-parameter all-gathers of the updated shards after the step,
+measured +25 MiB at world 2 and 4 for a 24.8 MiB model), and under FSDP about
+`cpu_fsdp_retained_copies` (3.6) such copies: the per-unit all-gather outputs and unsharded
+parameters, unsharded gradients and reduce-scatter inputs FSDP allocates and frees every step, whose
+chunks the activations' sizes do not reuse. Both factors are measured (FSDP: 3.1-4.3 across ZeRO-2/3
+at world 2 and 4, the largest rank's; glibc's placement varies by ~10 % between ranks and runs), not
+derived, on runs of two steps; the resident peak keeps growing a little after that (ZeRO-3 +15 %
+from step 2 to step 12 in benchmarks/bench_plan.py), and tensor- and pipeline-parallel runs keep
+25-30 MiB of transients this does not model. On CUDA the caching allocator's `fragmentation` (10 %
+of what is allocated) stands in for all of it.
 
 Activations per block and micro-batch — Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", §4: 34sbh + 5as²b bytes without tensor parallel;
@@ -152,8 +153,8 @@ class RankParams:
 @lru_cache(maxsize=65536)
 def rank_params(model: ModelDims, load: RankLoad, tp: int, ep: int) -> RankParams:
     if model.opaque:
-        p = float(model.params)
-        return RankParams(0.0, 0.0, p, 0.0, 0.0, p)
+        whole = float(model.params)
+        return RankParams(0.0, 0.0, whole, 0.0, 0.0, whole)
     scale = model.param_scale
     linear = experts = other = 0.0
     blk_lin = blk_oth = 0.0

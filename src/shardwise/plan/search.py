@@ -187,8 +187,8 @@ def search(model: ModelDims, cluster: ClusterSpec, batch: Batch,
         bound = state_lower_bound(model, smallest, batch)
         if bound > capacity:
             pruned["model state alone exceeds the device"] += 1
-            item = (-bound, next(tie), base)
-            (heapq.heappush if len(closest) < space.rejected else heapq.heappushpop)(closest, item)
+            near = (-bound, next(tie), base)
+            (heapq.heappush if len(closest) < space.rejected else heapq.heappushpop)(closest, near)
             continue
         for schedule, v in _schedules(base.pp, model, space):
             for mb in sizes:

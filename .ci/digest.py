@@ -1,0 +1,52 @@
+"""The end of a CI log: every failing test id with the last lines of its failure, then totals.
+
+Reads the JUnit XML files pytest wrote (`--junitxml`) and the exit codes of the lint and type
+steps, so that a red run is legible from its last 40 lines.
+Usage: python .ci/digest.py REPORT.xml [REPORT.xml ...] [--step NAME=CODE ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+TAIL = 6  # lines of each failure's message and traceback end
+
+
+def main(argv: list[str]) -> int:
+    reports = [a for a in argv if not a.startswith("--step") and "=" not in a]
+    steps = [a.split("=", 1) for a in argv if "=" in a]
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    failures: list[tuple[str, list[str]]] = []
+    for report in reports:
+        path = Path(report)
+        if not path.exists():
+            failures.append((f"{report}: no report (pytest did not finish)", []))
+            continue
+        for case in ET.parse(path).iter("testcase"):
+            test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            bad = case.find("failure")
+            if bad is None:
+                bad = case.find("error")
+            if bad is not None:
+                totals["failed"] += 1
+                text = (bad.text or bad.get("message") or "").rstrip().splitlines()
+                failures.append((test_id, text[-TAIL:]))
+            elif case.find("skipped") is not None:
+                totals["skipped"] += 1
+            else:
+                totals["passed"] += 1
+    print("\n" + "=" * 30 + " CI digest " + "=" * 30)
+    for name, code in steps:
+        print(f"{name}: {'ok' if code == '0' else f'FAILED (exit {code})'}")
+    for test_id, lines in failures:
+        print(f"FAILED {test_id}")
+        for line in lines:
+            print(f"    {line[:200]}")
+    print(f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,69 @@
+"""Numerics guard: a non-finite gradient skips the step; `failure.nan_patience` of them in a row
+roll back to the last checkpoint and skip the offending batches, declared in the ledger."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from shardwise.data.ledger import audit
+from tests.support.ranks import run_ranks
+from tests.support.specs import tiny_spec
+from tests.support.workers import train, train_single
+
+
+def events(run_dir, kind):
+    return [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if e["kind"] == kind]
+
+
+def test_nan_steps_are_skipped_then_rolled_back(small_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 8},
+                     checkpoint={"enabled": True, "every": 2},
+                     failure={"faults": "nan:step=3;nan:step=4", "nan_patience": 2})
+    result = train_single(spec)
+    bad = events(run_dir, "nonfinite")
+    assert [(e["step"], e["consecutive"]) for e in bad] == [(3, 1), (4, 2)]
+    (rollback,) = events(run_dir, "rollback")
+    assert rollback["step"] == 2 and rollback["path"].endswith("step-000002")
+    assert rollback["skipped_samples"] == [16, 32]  # steps 3 and 4: 2 x global batch 8
+    assert result["step"] == 8
+    assert all(math.isfinite(x) for x in result["losses"][-6:])
+    report = audit(run_dir)
+    assert report.exact, report.problems
+    assert (report.steps, report.skipped) == (8, 16)
+
+
+def test_patience_zero_only_skips(small_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 4},
+                     failure={"faults": "nan:rank=1:step=2", "nan_patience": 0},
+                     parallel={"dp_shard": 2, "nproc": 2})
+    result = run_ranks(train, 2, spec)[0]
+    assert [e["step"] for e in events(run_dir, "nonfinite")] == [2]
+    assert not events(run_dir, "rollback")
+    assert math.isnan(result["grad_norms"][1]) and math.isfinite(result["grad_norms"][2])
+    assert all(math.isfinite(x) for x in result["losses"])
+
+
+def test_rollback_to_a_checkpoint_inside_the_streak_never_retrains_skipped(small_corpus, tmp_path):
+    """Steps 3-5 are non-finite; the checkpoint of step 4 was saved inside the streak, so the
+    rollback resumes at sample 32, inside the declared range [16, 40): the cursor must jump to
+    40 (an equality match would re-train samples 32-39), and the audit must agree."""
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 8},
+                     checkpoint={"enabled": True, "every": 2},
+                     failure={"faults": "nan:step=3;nan:step=4;nan:step=5", "nan_patience": 3})
+    result = train_single(spec)
+    (rollback,) = events(run_dir, "rollback")
+    assert rollback["step"] == 4 and rollback["skipped_samples"] == [16, 40]
+    assert result["step"] == 8
+    ranks = [json.loads(line) for line in (run_dir / "ledger" / "rank-00000.jsonl")
+             .read_text().splitlines()]
+    after = [r for r in ranks if r["launch"] == 1]
+    assert after[0]["step"] == 5 and after[0]["ranges"] == [[40, 48]]
+    assert all(b <= 16 or a >= 40 for r in after for a, b in r["ranges"])
+    report = audit(run_dir)
+    assert report.exact, report.problems
+    assert (report.steps, report.skipped) == (8, 8)

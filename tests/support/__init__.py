@@ -1,0 +1,1 @@
+"""The test harness: spawned ranks, the functions they run, spec and CLI helpers."""
