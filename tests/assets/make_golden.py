@@ -5,7 +5,10 @@ runs (`shardwise train` with every default but `GOLDEN_SETS`: the default layout
 workers). The tolerance is derived, not chosen: the same run at dp1 (one process, its own thread
 count, another reduction order) is the largest legitimate change a machine or a refactor may make
 to these numbers without changing what is computed; the test allows ten times the largest
-relative difference seen between the two, per value.
+relative difference seen between the two, per value, and never less than `FLOOR` (measured here:
+6.8e-8 between the two, so the floor decides; it leaves room for CPUs with other vector units,
+which reorder GEMM sums, while a behaviour change, one sample or one init draw, moves these losses
+by 1e-3 or more).
 
     python tests/assets/make_golden.py     # from the repository root, after a deliberate change
 """
@@ -24,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 #: the fixed settings: everything else is the default RunSpec
 GOLDEN_SETS = ["run.steps=4", "log.every=1", "eval.every=2", "eval.batches=1", "sample.tokens=12"]
 MARGIN = 10
+FLOOR = 1e-5
 
 
 def curve(run_dir: Path) -> dict[str, dict[str, float]]:
@@ -47,7 +51,7 @@ def main() -> None:
     worst = max(abs(golden[k][s] - dp1[k][s]) / abs(golden[k][s]) for k in golden for s in golden[k])
     out = {"settings": GOLDEN_SETS, "layout": "the default (zero3-2 on 2 workers)",
            "torch": torch.__version__, **golden,
-           "dp1_max_rel_diff": worst, "rel_tolerance": max(MARGIN * worst, 1e-6)}
+           "dp1_max_rel_diff": worst, "rel_tolerance": max(MARGIN * worst, FLOOR)}
     (HERE / "golden_default.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 

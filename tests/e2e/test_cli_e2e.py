@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.spec import spec_from_dict, spec_to_toml
-from tests.support.specs import ROOT, tiny_spec_dict
+from tests.support.specs import ASSETS, ROOT, tiny_spec_dict
 
 SHORT = ["--set", "log.every=2", "--set", "eval.every=2", "--set", "eval.batches=1"]
 
@@ -29,9 +29,12 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def test_embedded_default_trains_and_resumes(tmp_path):
+    """The default run through the real CLI, its loss curve against the golden one
+    (tests/assets/golden_default.json, at the tolerance make_golden.py derives), then resumed."""
+    golden = json.loads((ASSETS / "golden_default.json").read_text())
     run_dir = tmp_path / "run"
-    proc = shardwise("train", "--set", "run.steps=4", "--set", f"run.dir={run_dir}",
-                     "--set", "sample.tokens=12", *SHORT, cwd=tmp_path)
+    sets = [a for s in [*golden["settings"], f"run.dir={run_dir}"] for a in ("--set", s)]
+    proc = shardwise("train", *sets, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "held-out loss" in proc.stdout and "sample:\nROMEO:" in proc.stdout
 
@@ -43,11 +46,16 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     assert start["layout"] == "zero3-2" and start["world_size"] == 2
     assert start["model_params"] == 1967808  # the default GPT with the 2048-token BPE
     steps = [e for e in evs if e["kind"] == "step"]
-    assert [e["step"] for e in steps] == [2, 4]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    evals = [e for e in evs if e["kind"] == "eval"]
+    for key, got in (("loss", {str(e["step"]): e["loss"] for e in steps}),
+                     ("val_loss", {str(e["step"]): e["val_loss"] for e in evals})):
+        assert got.keys() == golden[key].keys()
+        for step, want in golden[key].items():
+            assert got[step] == pytest.approx(want, rel=golden["rel_tolerance"]), (key, step, got)
     for e in steps:
         assert e["loss"] > 0 and e["tokens_per_s"] > 0 and e["lr"] > 0
         assert len(e["step_time_s_per_rank"]) == 2
-    evals = [e for e in evs if e["kind"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
     assert (run_dir / "checkpoints" / "step-000004" / "meta.json").is_file()
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
