@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.run.launch import WorkersFailed
     from shardwise.spec import load_spec
     from shardwise.verify.layouts import parse_layout
-    from shardwise.verify.runner import compare, format_table, preflight_all, run_layout
+    from shardwise.verify.runner import compare, format_table, preflight_all, run_layout, run_layouts
 
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: run at least 1 step.")
@@ -63,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     runs = _plan(args, layouts, out)
     checked = preflight_all({r.name: r.spec for r in runs})  # every layout, before any trains
     outcomes = []
-    try:
-        for r in runs:
+    try:  # the layouts (one launch per world size), then the stop-and-resume pair in order
+        fresh = [r for r in runs if not r.resume and not r.name.endswith(STOP)]
+        outcomes += run_layouts([(r.name, checked[r.name], r.run_dir) for r in fresh])
+        for r in runs[len(fresh):]:
             outcome = run_layout(r.name, checked[r.name], r.run_dir, resume=r.resume)
             if not r.name.endswith(STOP):
                 outcomes.append(outcome)

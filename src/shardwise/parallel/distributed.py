@@ -112,6 +112,16 @@ def set_cpu_threads(local_world_size: int) -> int:
 CUBLAS_DETERMINISTIC = ":4096:8"
 
 
+def launcher_store(timeout_s: float) -> dist.Store:
+    """The store the launcher named (MASTER_ADDR/PORT, or the elastic agent's own): rank 0
+    hosts it unless the agent does."""
+    rank, _, world, _ = env_world()
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=(rank == 0 and not agent_store),
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def init_distributed(section: ParallelSection, store: dist.Store | None = None, *,
                      deterministic: bool = False) -> DistContext:
     """Join the process group named by the environment (or `store`) and build the mesh.
@@ -139,11 +149,7 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
         if store is None and world == 1 and not under_launcher():
             store = dist.HashStore()  # FSDP on one rank, in this process: a group of one
         elif store is None:
-            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                is_master=(rank == 0 and not agent_store), timeout=timeout,
-            )
+            store = launcher_store(section.timeout_s)
             count_start(store, rank)  # the attempt all nodes agree on (resilience.attempt)
         attempt = launch_attempt()
         base_store = store

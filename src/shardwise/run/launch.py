@@ -58,8 +58,9 @@ def check_preempted(run_dir: Path) -> None:
 
 def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
                  worker_args: tuple[str, ...] = (), preempt_signals: str = "",
-                 grace_s: float = 30.0) -> None:
-    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait. A
+                 grace_s: float = 30.0, then: tuple[Path, ...] = ()) -> None:
+    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait (with
+    `then`, the workers train those fresh run directories after RUN_DIR, in the same launch). A
     preemption signal to this process is forwarded to the workers, which get `grace_s` to
     commit their checkpoint before the agent kills them."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
@@ -70,8 +71,8 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.1, **_agent_signal_options(preempt_signals, grace_s),
     )
-    args = ["-m", "shardwise.run.worker", str(run_dir), *(["--resume"] if resume else []),
-            *worker_args]
+    args = ["-m", "shardwise.run.worker", str(run_dir), *map(str, then),
+            *(["--resume"] if resume else []), *worker_args]
     errors = run_dir / ERRORS_DIR
     shutil.rmtree(errors, ignore_errors=True)
     try:

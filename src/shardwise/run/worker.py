@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
-from shardwise.parallel.distributed import DistContext, init_distributed, shutdown
+from shardwise.parallel.distributed import DistContext, init_distributed, launcher_store, shutdown
 from shardwise.run import rundir
 from shardwise.run.launch import ERRORS_DIR, with_data_hashes
 from shardwise.run.resume import ResumeMode, restart_attempt, resume_mode
@@ -168,19 +168,37 @@ def dump_final_state(trainer: Trainer) -> None:
         torch.save({"params": params, "optim": optim}, trainer.run_dir / FINAL_STATE)
 
 
+def run_in_turn(run_dirs: list[Path], after_fit: Callable[[Trainer], Any] | None) -> None:
+    """Fresh runs one after another in these workers (verify's layouts of one world size): each
+    on its own prefix of the launcher's store, so each has its own process group, while Python,
+    torch and the model's imports start once. Restarts re-run the whole list, so the caller
+    groups only runs without a failure policy."""
+    specs = [rundir.load_run_spec(d, []) for d in run_dirs]
+    base = launcher_store(max(s.parallel.timeout_s for s in specs))
+    for i, (spec, run_dir) in enumerate(zip(specs, run_dirs, strict=True)):
+        run_worker(spec, run_dir, store=dist.PrefixStore(f"/shardwise/run_{i}", base),
+                   after_fit=after_fit)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shardwise.run.worker RUN_DIR [--resume]`, as started by `shardwise train`."""
+    """`python -m shardwise.run.worker RUN_DIR [RUN_DIR ...] [--resume]`, as started by
+    `shardwise train` (one run directory) and `shardwise verify` (one per layout)."""
     parser = argparse.ArgumentParser(prog="shardwise-worker")
-    parser.add_argument("run_dir")
+    parser.add_argument("run_dir", nargs="+",
+                        help="a run directory; several (verify) train one after another")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--dump-state", action="store_true",
                         help="save the full final parameters and optimizer state (verify)")
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
+    run_dirs = [Path(p) for p in args.run_dir]
+    run_dir = run_dirs[0]  # the launch's own: where the launcher looks for errors
+    after_fit = dump_final_state if args.dump_state else None
     try:
-        spec = rundir.load_run_spec(run_dir, [])
-        run_worker(spec, run_dir, resume=args.resume,
-                   after_fit=dump_final_state if args.dump_state else None)
+        if len(run_dirs) == 1:
+            spec = rundir.load_run_spec(run_dir, [])
+            run_worker(spec, run_dir, resume=args.resume, after_fit=after_fit)
+        else:
+            run_in_turn(run_dirs, after_fit)
     except UserError as err:
         # The launcher prints it once for all ranks (every rank usually hits the same error).
         (run_dir / ERRORS_DIR).mkdir(exist_ok=True)

@@ -19,7 +19,7 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.data.ledger import audit
 from shardwise.errors import UserError
 from shardwise.run import rundir
-from shardwise.run.launch import preflight, run_local, with_model_tokenizer
+from shardwise.run.launch import check_preempted, launch_local, preflight, run_local, with_model_tokenizer
 from shardwise.run.worker import FINAL_STATE
 from shardwise.spec import RunSpec, load_spec
 from shardwise.verify.layouts import Layout
@@ -87,6 +87,40 @@ def run_layout(name: str, spec: RunSpec, run_dir: Path, resume: bool = False) ->
     run_local(spec, run_dir, resume, dump_state=True)
     seconds = time.perf_counter() - t0
     return read_outcome(name, run_dir, seconds)
+
+
+def run_layouts(runs: list[tuple[str, RunSpec, Path]]) -> list[RunOutcome]:
+    """Train fresh runs (each `(name, spec through preflight, run_dir)`) and read them back, in
+    the order given. Multi-worker runs of one world size share one launch (the workers train
+    them in turn), so start-up is paid once per world size, not once per layout; a run with a
+    failure policy (restarts, planted faults) gets a launch of its own, since a restart would
+    re-run the whole launch. A shared run's `seconds` is its own span in its events (first to
+    last), without the shared start-up."""
+    outcomes: dict[str, RunOutcome] = {}
+    groups: dict[int, list[tuple[str, RunSpec, Path]]] = {}
+    for name, spec, run_dir in runs:
+        alone = spec.parallel.nproc == 1 or spec.failure.max_restarts > 0 or spec.failure.faults
+        if alone:
+            outcomes[name] = run_layout(name, spec, run_dir)
+        else:
+            groups.setdefault(spec.parallel.nproc, []).append((name, spec, run_dir))
+    for nproc, group in groups.items():
+        for _, spec, run_dir in group:
+            rundir.new_run_dir(spec)
+            rundir.write_spec(run_dir, spec)
+        first = group[0][1].failure
+        launch_local(group[0][2], nproc, False, worker_args=("--dump-state",),
+                     preempt_signals=first.preempt_signals, grace_s=first.preempt_grace_s,
+                     then=tuple(run_dir for _, _, run_dir in group[1:]))
+        for name, _, run_dir in group:
+            check_preempted(run_dir)
+            outcomes[name] = read_outcome(name, run_dir, _span(run_dir))
+    return [outcomes[name] for name, _, _ in runs]
+
+
+def _span(run_dir: Path) -> float:
+    times = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(times) - min(times) if times else 0.0
 
 
 def read_outcome(name: str, run_dir: Path, seconds: float) -> RunOutcome:
