@@ -125,6 +125,25 @@ def _serve(rank: int, world: int, port: int, jobs: Connection, results: Any) -> 
         results.put((key, rank, None, _leftovers(before, handlers, patched)))
 
 
+def _forget_meshes() -> None:
+    """Empty torch's DTensor caches (sharding propagation, redistribute plans and transforms):
+    they are keyed by mesh shape and placements, so a plan cached for an earlier job's mesh is
+    replayed on a later job's mesh of the same shape but other groups (seen: a world-4 layout
+    failing in `_maybe_unpad_tensor` after another world-4 job). A fresh rank has them empty.
+    Private torch APIs, so each is looked up and skipped where this torch lacks it."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._api import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+
+
 def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any],
                patched: dict[str, int]) -> list[str]:
     """What a job left that a fresh rank would not have (empty: the rank may run another job).
@@ -133,6 +152,7 @@ def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any
     if dist.is_initialized():
         left.append("a process group")
         dist.destroy_process_group()
+    _forget_meshes()
     deadline = time.monotonic() + _THREAD_GRACE_S
     for thread in set(threading.enumerate()) - before:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
