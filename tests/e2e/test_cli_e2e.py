@@ -69,7 +69,7 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     meta = json.loads((run_dir / "checkpoints" / "step-000004" / "meta.json").read_text())
     assert resume["bytes"] == sum(f["size"] for f in meta["files"].values()) > 0
     assert resume["load_s"] > 0 and resume["load_bytes_per_s"] > 0
-    assert [e["step"] for e in evs if e["kind"] == "step"] == [2, 4, 6]
+    assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]  # none twice
     assert (run_dir / "checkpoints" / "step-000006" / "meta.json").is_file()
 
     # resuming a finished run is a user error, not a silent no-op
