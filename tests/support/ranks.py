@@ -21,7 +21,6 @@ instead of hanging CI.
 from __future__ import annotations
 
 import atexit
-import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -44,11 +43,13 @@ _THREAD_GRACE_S = 2.0
 _DEATH_GRACE_S = 20.0
 #: native threads a rank may gain over its start before it retires. Each gloo process group runs
 #: its own threads (measured: 7 `gloo_tcp_loop` and 14 `pt_gloo_runloop` per rank for one ZeRO-3
-#: run at world 2), which end only when the group object is freed; a job's groups sit in reference
-#: cycles, so without the `gc.collect()` in `_leftovers` a rank had gathered 671 threads after ~40
-#: jobs and spent a fifth of a core polling while idle, slowing every test beside it. With it the
-#: count stays flat (15 more than at start after one job or many); this bound is the backstop.
-_NATIVE_THREADS_GROWTH = 48
+#: run at world 2), which end only when the group object is freed, and a job's groups sit in
+#: reference cycles: a rank had gathered 671 threads after ~40 jobs and spent a fifth of a core
+#: polling while idle, slowing every test beside it. Collecting the garbage after each job frees
+#: them, but in one CI rehearsal a later world-4 job then failed to resolve its own process group
+#: by name (the names restart at 0 in every job), so the harness does not collect; it retires a
+#: rank once it holds this many extra threads (about ten jobs), well before they cost CPU.
+_NATIVE_THREADS_GROWTH = 256
 
 
 def _rank_env(rank: int, world: int) -> dict[str, str]:
@@ -174,7 +175,6 @@ def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any
         left.append("a process group")
         dist.destroy_process_group()
     _forget_meshes()
-    gc.collect()  # frees the job's process groups, and with them their gloo threads
     deadline = time.monotonic() + _THREAD_GRACE_S
     for thread in set(threading.enumerate()) - before:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
