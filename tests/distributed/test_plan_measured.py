@@ -73,8 +73,8 @@ def check_peak(run_dir: Path, *, median: bool = False, tolerance: float = PEAK_T
     want = mem.total - mem.overhead
     got = statistics.median(run.peak_bytes_per_rank) if median else run.peak_bytes
     error = (want - got) / got
-    assert abs(error) <= tolerance, (run.layout.name(), want, got,
-                                          run.peak_bytes_per_rank, mem.as_dict())
+    assert abs(error) <= tolerance, (run.layout.name(), want, got, run.peak_bytes_per_rank,
+                                     mem.as_dict())
     return error
 
 

@@ -47,8 +47,9 @@ _DEATH_GRACE_S = 20.0
 #: reference cycles: a rank had gathered 671 threads after ~40 jobs and spent a fifth of a core
 #: polling while idle, slowing every test beside it. Collecting the garbage after each job frees
 #: them, but in one CI rehearsal a later world-4 job then failed to resolve its own process group
-#: by name (the names restart at 0 in every job), so the harness does not collect; it retires a
-#: rank once it holds this many extra threads (about ten jobs), well before they cost CPU.
+#: by name (cause not pinned down; the names restart at 0 in every job), so the harness does not
+#: collect; it retires a rank once it holds this many extra threads (about ten jobs), well before
+#: they cost CPU.
 _NATIVE_THREADS_GROWTH = 256
 
 
@@ -132,11 +133,7 @@ def _serve(rank: int, world: int, port: int, jobs: Connection, results: Any) -> 
         torch.use_deterministic_algorithms(deterministic)
         before = set(threading.enumerate())
         _report(results, key, rank, fn, dist.PrefixStore(f"job-{key}/", store), args)
-        left = _leftovers(before, handlers, patched)
-        if native is not None and (now := _native_threads()) is not None \
-                and now - native > _NATIVE_THREADS_GROWTH:
-            left.append(f"{now - native} more native threads than at start")
-        results.put((key, rank, None, left))
+        results.put((key, rank, None, _leftovers(before, handlers, patched, native)))
 
 
 def _native_threads() -> int | None:
@@ -167,7 +164,7 @@ def _forget_meshes() -> None:
 
 
 def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any],
-               patched: dict[str, int]) -> list[str]:
+               patched: dict[str, int], native: int | None) -> list[str]:
     """What a job left that a fresh rank would not have (empty: the rank may run another job).
     Signal handlers are put back; the rest cannot be undone from outside and retires the rank."""
     left = []
@@ -187,6 +184,10 @@ def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any
     changed = sorted(k for k, v in patched.items() if now.get(k) != v)
     if changed:
         left.append(f"patched torch functions ({', '.join(changed[:4])})")
+    now_native = _native_threads()
+    if native is not None and now_native is not None \
+            and now_native - native > _NATIVE_THREADS_GROWTH:
+        left.append(f"{now_native - native} more native threads than at start")
     return left
 
 
