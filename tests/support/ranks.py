@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.parallel.distributed import forget_meshes
+
 #: how long a finished job waits for threads it started to end before the ranks count as dirty
 _THREAD_GRACE_S = 2.0
 #: after one rank dies, how long to wait for the others to report their own errors
@@ -144,25 +146,6 @@ def _native_threads() -> int | None:
         return None
 
 
-def _forget_meshes() -> None:
-    """Empty torch's DTensor caches (sharding propagation, redistribute plans and transforms):
-    they are keyed by mesh shape and placements, so a plan cached for an earlier job's mesh is
-    replayed on a later job's mesh of the same shape but other groups (seen: a world-4 layout
-    failing in `_maybe_unpad_tensor` after another world-4 job). A fresh rank has them empty.
-    Private torch APIs, so each is looked up and skipped where this torch lacks it."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._api import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cache in (getattr(propagator, "propagate_op_sharding", None),
-                  getattr(_redistribute, "_gen_transform_infos", None)):
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:
-        clear_planners()
-
-
 def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any],
                patched: dict[str, int], native: int | None) -> list[str]:
     """What a job left that a fresh rank would not have (empty: the rank may run another job).
@@ -171,7 +154,7 @@ def _leftovers(before: set[threading.Thread], handlers: dict[signal.Signals, Any
     if dist.is_initialized():
         left.append("a process group")
         dist.destroy_process_group()
-    _forget_meshes()
+    forget_meshes()  # the product's own clean-up, for a job that left its group
     deadline = time.monotonic() + _THREAD_GRACE_S
     for thread in set(threading.enumerate()) - before:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))

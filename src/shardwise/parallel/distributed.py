@@ -155,6 +155,7 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
         base_store = store
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        forget_meshes()  # a group of an earlier run in this process (verify's layouts in turn)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
     mesh, dp_mesh = build_mesh(dims, device.type)
@@ -196,3 +197,31 @@ def shutdown(clean: bool = False) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty torch's DTensor caches that hold meshes. They compare meshes by value (shape, ranks,
+    axis names), not by process group, so after a group is destroyed a later run in the same
+    process (`verify`'s layouts in turn, a notebook) got the earlier run's mesh back on the
+    outputs of cached ops: parameters on a mesh whose groups no longer exist ("Could not resolve
+    the process group registered under the name 22"), or silently on another run's group of the
+    same name. The C++ dispatch cache is not emptied by the Python cache's `cache_clear`.
+    Private torch APIs, each looked up and skipped where this torch lacks it."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor._api import DTensor
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    topo = getattr(_collective_utils, "MeshTopoInfo", None)
+    caches: tuple[Any, ...] = (getattr(propagator, "propagate_op_sharding", None),
+                               getattr(_redistribute, "_gen_transform_infos", None),
+                               getattr(topo, "build_from_mesh", None))
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()

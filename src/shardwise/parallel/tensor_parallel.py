@@ -235,13 +235,15 @@ def _local(param: DTensor, partial: bool) -> torch.Tensor:
     rank computes the same, whole gradient."""
     spec = param._spec
     if partial and any(pl.is_replicate() for pl in spec.placements):
-        spec = _partial_grad_spec(spec)
+        spec = _partial_grad_spec(spec, id(spec.mesh))
     return _LocalShard.apply(param, spec)
 
 
 @functools.lru_cache(maxsize=256)
-def _partial_grad_spec(spec: DTensorSpec) -> DTensorSpec:
-    """`spec` with Replicate turned into Partial (sum): built once per parameter spec."""
+def _partial_grad_spec(spec: DTensorSpec, mesh_id: int) -> DTensorSpec:
+    """`spec` with Replicate turned into Partial (sum): built once per parameter spec. Keyed on
+    the mesh object too (`mesh_id`): specs compare meshes by value, so a later run in this
+    process would otherwise get a spec on an earlier run's mesh, whose groups are gone."""
     return DTensorSpec(spec.mesh, tuple(Partial() if pl.is_replicate() else pl
                                         for pl in spec.placements),
                        tensor_meta=spec.tensor_meta)
