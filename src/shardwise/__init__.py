@@ -1,12 +1,8 @@
 """shardwise: distributed training on PyTorch whose results do not change when the layout changes."""
 
-import time as _time
+from shardwise.meta import STARTED_AT, __version__
 
-__version__ = "0.1.0"
-
-#: When this process imported shardwise (before torch): the start of a worker, from which the
-#: time to the first step after an elastic restart is measured.
-STARTED_AT = _time.time()
+__all__ = ["STARTED_AT", "__version__", "train"]
 
 
 def train(*args, **kwargs):

@@ -201,7 +201,7 @@ def test_fine_tune_step0_loss_is_the_hf_models_own(layout, small_corpus, tmp_pat
     result = train_single(spec) if world == 1 else run_ranks(train, world, spec)[0]
 
     from shardwise.data import prepare_data
-    from shardwise.run.launch import with_model_tokenizer
+    from shardwise.run.preflight import with_model_tokenizer
 
     data = prepare_data(with_model_tokenizer(spec).data)  # the model's own tokenizer.json
     assert data.tokenizer_path == path / "tokenizer.json"

@@ -33,7 +33,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,6 +59,7 @@ from shardwise.checkpoint.storage import (
     record_location,
     torch_bytes,
 )
+from shardwise.compat import side_group
 from shardwise.errors import UserError
 from shardwise.parallel.collectives import gather_full
 from shardwise.telemetry.memory import peak_during
@@ -183,7 +183,7 @@ class Checkpointer:
         # same point): background save collectives never interleave with training ones.
         self.group: dist.ProcessGroup | None = None
         if distributed and async_save:
-            self.group = _new_gloo_group(timeout_s)
+            self.group = side_group("checkpoint", timeout_s)
 
     @classmethod
     def for_run(cls, local_root: Path, section: Any, rank: int, distributed: bool,
@@ -374,13 +374,6 @@ class Checkpointer:
         with contextlib.suppress(FileNotFoundError):
             set_rng_state(read_torch(path / "rng" / f"rank-{self.rank:05d}.pt"))
         return json.loads(meta_text)
-
-
-def _new_gloo_group(timeout_s: float) -> dist.ProcessGroup:
-    kwargs: dict[str, Any] = {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
-    if "group_desc" in inspect.signature(dist.new_group).parameters:
-        kwargs["group_desc"] = "checkpoint"
-    return dist.new_group(**kwargs)
 
 
 def _single_process_kwargs(distributed: bool) -> dict[str, Any]:

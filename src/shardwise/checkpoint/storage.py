@@ -60,6 +60,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from shardwise.checkpoint.staging import HostStager
+from shardwise.compat import fsspec_reader, fsspec_writer
 from shardwise.errors import UserError
 from shardwise.utils.files import atomic_write_text
 
@@ -283,9 +284,7 @@ class ObjectStorage(Storage):
         return writer
 
     def reader(self, location: Location) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(str(location), **self.storage_options)
+        return fsspec_reader()(str(location), **self.storage_options)
 
     def write_file(self, location: Location, data: bytes) -> None:
         location.write_bytes(data)  # one PUT: atomic and durable once it returns
@@ -321,9 +320,7 @@ _WRITER: type | None = None
 def _fsspec_writer_class() -> type:
     global _WRITER
     if _WRITER is None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        _WRITER = type("_RemoteWriter", (_HostCopyStage, FsspecWriter), {})
+        _WRITER = type("_RemoteWriter", (_HostCopyStage, fsspec_writer()), {})
     return _WRITER
 
 

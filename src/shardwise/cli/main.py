@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 
+from shardwise.cli.output import print_error
 from shardwise.errors import UserError
 
 
@@ -40,12 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted. Whatever the run wrote so far stays in its run directory.")
         return 130
-
-
-def print_error(message: str) -> None:
-    text = textwrap.fill(message, width=100, subsequent_indent="  ",
-                         break_long_words=False, break_on_hyphens=False)
-    print(f"error: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -59,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: bool) -> int:
-    from shardwise.run.launch import Preempted, WorkersFailed, plan_preview, preflight, start_run
+    from shardwise.run.launch import Preempted, WorkersFailed, start_run
+    from shardwise.run.preflight import placement_preview, preflight
     from shardwise.spec import spec_to_toml
 
     spec, dims = preflight(spec)
     if print_spec or print_plan:
-        sys.stdout.write(spec_to_toml(spec) if print_spec else plan_preview(spec, dims))
+        sys.stdout.write(spec_to_toml(spec) if print_spec else placement_preview(spec, dims))
         return 0
     try:
         run_dir = start_run(spec, dims, resume)
@@ -72,7 +73,7 @@ def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: boo
         print(err, file=sys.stderr)
         return err.exit_code
     except WorkersFailed as err:
-        from shardwise.cli.main import print_error
+        from shardwise.cli.output import print_error
 
         print_error(str(err))
         return err.exit_code

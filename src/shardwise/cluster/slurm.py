@@ -20,7 +20,8 @@ from pathlib import Path
 
 from shardwise.cluster import torchrun
 from shardwise.errors import UserError, show
-from shardwise.resilience.preempt import MARKER, PREEMPTED_EXIT, parse_signals
+from shardwise.resilience.preempt import MARKER, PREEMPTED_EXIT
+from shardwise.spec.failure import parse_signals
 from shardwise.spec.runspec import RunSpec
 
 SCRIPT = "slurm-job.sbatch"

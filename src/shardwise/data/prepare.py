@@ -33,6 +33,7 @@ from shardwise.data.tokenizer import EOS, load_or_train, load_tokenizer_file
 from shardwise.errors import UserError
 from shardwise.spec.runspec import DataSection
 from shardwise.utils.files import atomic_write, atomic_write_text
+from shardwise.utils.files import cache_root as files_cache_root
 
 _ENCODE_BATCH = 1024  # documents per encode_batch call
 _COPY_CHUNK = 1 << 24  # token ids copied at a time into the final .npy
@@ -68,8 +69,7 @@ class PreparedData:
 
 
 def cache_root(data: DataSection) -> Path:
-    root = data.cache_dir or os.environ.get("SHARDWISE_CACHE") or "~/.cache/shardwise"
-    return Path(root).expanduser()
+    return files_cache_root(data.cache_dir)
 
 
 def prepare_data(data: DataSection) -> PreparedData:

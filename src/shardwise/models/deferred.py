@@ -54,8 +54,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from shardwise.compat import (
+    TensorBase,
+    TorchDispatchMode,
+    compute_local_shape_and_global_offset,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+)
 
 __all__ = ["CannotDefer", "InitRecord", "Ref", "materialize", "record_build"]
 
@@ -489,7 +496,7 @@ def _is_meta_as_eager() -> Iterator[None]:
     """`Tensor.is_meta` is False for `torch.nn.init` and for code outside torch while recording,
     as in the eager build: `trunc_normal_`, `orthogonal_`, `dirac_` and `sparse_` return early
     on meta tensors, skipping their random draws (torch's own internals see the truth)."""
-    real = torch._C.TensorBase.is_meta
+    real = TensorBase.is_meta
 
     def is_meta(self: torch.Tensor) -> bool:
         caller = sys._getframe(1).f_code.co_filename
@@ -703,8 +710,6 @@ def _fill(name: str, t: torch.Tensor, full: torch.Tensor) -> None:
         raise RuntimeError(f"materialize: {name} has shape {tuple(t.shape)}, the recorded build "
                            f"made {tuple(full.shape)}")
     if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = t._local_tensor
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
                                                               t.placements)

@@ -127,7 +127,7 @@ def load_builder(family: str) -> Builder:
 def model_source(family: str, model: ModelSection | None = None) -> dict[str, Any]:
     """What pins the model's code for the manifest: the file's SHA-256, or the package version."""
     if family in ("gpt", "moe-gpt"):
-        from shardwise import __version__
+        from shardwise.meta import __version__
 
         return {"family": family, "shardwise": __version__}
     if family.startswith("py:"):

@@ -20,9 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardwise.compat import _StridedShard
 from shardwise.parallel.collectives import all_gather_flat
 from shardwise.parallel.precision import compute_dtype
 from shardwise.telemetry.comm import ddp_comm_hook

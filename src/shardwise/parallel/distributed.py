@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.compat import clear_dtensor_caches
 from shardwise.parallel.devices import (
     check_local_workers,
     pick_device,
@@ -201,27 +202,8 @@ def shutdown(clean: bool = False) -> None:
 
 
 def forget_meshes() -> None:
-    """Empty torch's DTensor caches that hold meshes. They compare meshes by value (shape, ranks,
-    axis names), not by process group, so after a group is destroyed a later run in the same
-    process (`verify`'s layouts in turn, a notebook) got the earlier run's mesh back on the
-    outputs of cached ops: parameters on a mesh whose groups no longer exist ("Could not resolve
-    the process group registered under the name 22"), or silently on another run's group of the
-    same name. The C++ dispatch cache is not emptied by the Python cache's `cache_clear`.
-    Private torch APIs, each looked up and skipped where this torch lacks it."""
-    from torch.distributed.tensor import _collective_utils, _redistribute
-    from torch.distributed.tensor._api import DTensor
-
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    topo = getattr(_collective_utils, "MeshTopoInfo", None)
-    caches: tuple[Any, ...] = (getattr(propagator, "propagate_op_sharding", None),
-                               getattr(_redistribute, "_gen_transform_infos", None),
-                               getattr(topo, "build_from_mesh", None))
-    for cache in caches:
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:
-        clear_planners()
+    """Forget every mesh torch cached for a process group that is gone (see
+    `compat.clear_dtensor_caches`): a later run in this process (`verify`'s layouts in turn, a
+    notebook) would otherwise get parameters back on the earlier run's mesh ("Could not resolve
+    the process group registered under the name 22"), or silently on a same-named group."""
+    clear_dtensor_caches()

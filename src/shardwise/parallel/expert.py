@@ -48,8 +48,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils.stateless import _reparametrize_module
 
+from shardwise.compat import _reparametrize_module
 from shardwise.models.plan import ModelPlan
 from shardwise.parallel.data_parallel import EDP_MESH, unwrap
 from shardwise.parallel.execution import ParallelModel

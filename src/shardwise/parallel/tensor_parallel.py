@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shardwise.compat import DTensorSpec
 from shardwise.models.plan import IGNORE_INDEX, ModelPlan, PlanError
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
 

@@ -26,6 +26,7 @@ from shardwise.spec.cluster import (
     load_cluster,
 )
 from shardwise.spec.load import _suggest
+from shardwise.utils.files import cache_root
 
 NCCL_NVLINK_LAT_US = 3.4  # NCCL tuning.cc hwLat[NVLINK][Ring][Simple]
 NCCL_NET_LAT_US = 9.6  # NCCL tuning.cc hwLat[NET][Ring][Simple]
@@ -115,7 +116,7 @@ def _physical_memory_bytes() -> float:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SHARDWISE_CACHE") or Path.home() / ".cache" / "shardwise")
+    return cache_root()
 
 
 def _cached_cpu_probe(dtype: str, threads: int) -> float | None:

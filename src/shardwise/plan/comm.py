@@ -10,7 +10,8 @@ per NIC (rail-optimised fabric), and the node's NICs are shared by its devices, 
 of the axis communicates at once.
 
 Costs (S bytes the collective is about, N ranks, B the group's bandwidth x
-`CostParams.bandwidth_efficiency`; Thakur, Rabenseifner & Gropp 2005 for the ring volumes):
+`CostParams.bandwidth_efficiency`; Thakur, Rabenseifner & Gropp 2005 for the ring volumes, the
+one rule in `telemetry.comm_theory.ring_fraction` that the comm tap's wire bytes also use):
     all-reduce                 2 (N-1)/N · S / B
     reduce-scatter, all-gather   (N-1)/N · S / B   (S: the unsharded size)
     all-to-all                 (N-k)/N · S / B_inter_dev + (k-1)/N · S / B_intra (S: sent per rank)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.spec.cluster import ClusterSpec
+from shardwise.telemetry.comm_theory import ring_fraction
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def all_reduce(nbytes: float, grp: Group) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (_latency(grp, 2 * (n - 1), 2 * (grp.nodes - 1), 2)
-            + 2 * (n - 1) / n * nbytes / grp.bandwidth)
+            + ring_fraction("all_reduce", n) * nbytes / grp.bandwidth)
 
 
 def all_gather(nbytes: float, grp: Group) -> float:
@@ -93,7 +95,8 @@ def all_gather(nbytes: float, grp: Group) -> float:
     n = grp.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return _latency(grp, n - 1, grp.nodes - 1, 1) + (n - 1) / n * nbytes / grp.bandwidth
+    return (_latency(grp, n - 1, grp.nodes - 1, 1)
+            + ring_fraction("all_gather", n) * nbytes / grp.bandwidth)
 
 
 reduce_scatter = all_gather

@@ -1,10 +1,10 @@
 """Will it fit: the planner's memory model for the layout a run is about to start, on the device it
-will start on — what `shardwise train` checks before any worker starts (`run.launch.preflight`).
+will start on — what `shardwise train` checks before any worker starts (`run.preflight.preflight`).
 
 The capacity per rank is `plan.device_memory_gib` when set; otherwise on a CPU this machine's RAM
 shared evenly by the local workers (the `cpu-local` cluster's figure), and on a GPU the device's
 total memory when the launcher can read it without initialising CUDA (see
-`run.launch.cuda_device_memory`); when it cannot, there is no check. The prediction is that of
+`run.preflight.cuda_device_memory`); when it cannot, there is no check. The prediction is that of
 `plan.cost.predict_memory` with the default `CostParams` for the fullest rank (the pipeline rank
 holding the most micro-batches, the stage with the output layer): model state, activations,
 buffers, the optimizer's workspace, the allocator's share and the runtime's overhead. Imports no

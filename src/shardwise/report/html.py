@@ -7,7 +7,7 @@ import base64
 import datetime as _dt
 from html import escape
 
-from shardwise import __version__
+from shardwise.meta import __version__
 from shardwise.report.load import Run
 from shardwise.report.plots import Plot
 

@@ -25,26 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import SpecError, show
+from shardwise.compat import side_group
+from shardwise.spec.failure import parse_signals
 
 #: EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry" — a preempted
 #: run is complete up to its checkpoint and continues when re-launched.
 PREEMPTED_EXIT = 75
 MARKER = "preempted.json"
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """`"SIGTERM,SIGUSR1"` (or `"TERM, USR1"`) as signals; "" is none."""
-    found = []
-    for name in filter(None, (part.strip().upper() for part in text.split(","))):
-        full = name if name.startswith("SIG") else f"SIG{name}"
-        sig = getattr(signal.Signals, full, None)
-        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise SpecError(f"failure.preempt_signals: {show(name, 30)} is not a signal that can "
-                            "be caught; list names such as \"SIGTERM,SIGUSR1\" (\"\" disables "
-                            "preemption handling).")
-        found.append(sig)
-    return tuple(found)
 
 
 #: the signals torch's elastic agent handles by default
@@ -106,9 +93,7 @@ class Preemption:
         flag.install(parse_signals(signals_text))
         group = None
         if distributed and signals_text.strip():
-            from shardwise.checkpoint.checkpointer import _new_gloo_group
-
-            group = _new_gloo_group(timeout_s)
+            group = side_group("preemption", timeout_s)
         return cls(flag, group)
 
     def poll(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardwise import __version__
+from shardwise.meta import __version__
 from shardwise.spec.runspec import RunSpec
 
 MANIFEST = "manifest.json"

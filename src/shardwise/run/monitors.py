@@ -197,7 +197,7 @@ class Monitors:
 
     def goodput(self) -> float:
         """Productive step time / wall time since this process started."""
-        from shardwise import STARTED_AT
+        from shardwise.meta import STARTED_AT
 
         wall = time.time() - STARTED_AT
         return round(self.productive_s / wall, 4) if wall > 0 else 0.0

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from shardwise.compat import foreach_mul_, foreach_norm
 from shardwise.parallel.collectives import gather_full
 from shardwise.parallel.data_parallel import Zero1Optimizer
 from shardwise.parallel.dims import MESH_AXES
@@ -176,7 +177,7 @@ def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
     counted = [_local(g).float() for g in grads if _counted_here(g, pm.ctx)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
-        norms = torch._foreach_norm(counted, 2)
+        norms = foreach_norm(counted, 2)
         sq = torch.stack(norms).pow(2).sum()
     if pm.ctx.distributed and pm.ctx.world_size > 1:
         dist.all_reduce(sq)
@@ -239,4 +240,4 @@ def scale_grads(pm: ParallelModel, factor: torch.Tensor | float) -> None:
             by_dtype.setdefault(local.dtype, []).append(local)
     for dtype, tensors in by_dtype.items():
         f = factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
-        torch._foreach_mul_(tensors, f)
+        foreach_mul_(tensors, f)

@@ -11,6 +11,9 @@ from shardwise.spec import RunSpec, load_spec, spec_to_toml
 from shardwise.utils.files import atomic_write_text
 
 SPEC_FILE = "spec.toml"
+#: Workers started by `run.agent.launch_local` write user errors here instead of printing them N
+#: times; the launcher prints one.
+ERRORS_DIR = ".worker-errors"
 
 
 def new_run_dir(spec: RunSpec) -> Path:

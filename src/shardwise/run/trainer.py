@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise import STARTED_AT, __version__
 from shardwise.checkpoint import Checkpointer, ModelState, SaveRecord
 from shardwise.data import BatchLayout, EvalBatches, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
 from shardwise.data.samples import EXAMPLE
 from shardwise.errors import UserError
+from shardwise.meta import STARTED_AT, __version__
 from shardwise.models import build_deferred
 from shardwise.models.plan import described, plan_of
 from shardwise.models.registry import model_source
@@ -133,8 +133,9 @@ class Trainer:
         self.faults.group = ctx.dp_group()
         self.faults.device = ctx.device
         self.monitors = Monitors(spec, ctx, run_dir, events, self.faults.attempt)
-        self.monitors.min_wire_bytes = min_wire_bytes(spec, ctx.dims, self.num_params,
-                                                      self.layout.accumulation)
+        self.monitors.min_wire_bytes = min_wire_bytes(
+            ctx.dims, spec.run.precision, self.num_params, self.layout.accumulation,
+            spec.batch.micro_batch * spec.data.seq_len, plan.shape.layers, plan.shape.hidden)
         self.model.phase_hook = lambda phase: self.on_phase(phase, self.state.step + 1)
         self.train_data = TrainBatches(data.split("train", spec.data.seq_len), spec.run.seed,
                                        self.layout, ctx.dp_rank, ctx.device)

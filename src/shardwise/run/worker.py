@@ -23,8 +23,9 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, launcher_store, shutdown
 from shardwise.run import rundir
-from shardwise.run.launch import ERRORS_DIR, with_data_hashes
+from shardwise.run.preflight import with_data_hashes
 from shardwise.run.resume import ResumeMode, restart_attempt, resume_mode
+from shardwise.run.rundir import ERRORS_DIR
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink

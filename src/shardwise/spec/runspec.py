@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.errors import SpecError, show
+from shardwise.spec.failure import parse_faults, parse_signals
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -467,8 +468,6 @@ class FailureSection:
 
     def validate(self) -> None:
         _at_least("failure.preempt_grace_s", self.preempt_grace_s, 1)
-        from shardwise.resilience.preempt import parse_signals
-
         parse_signals(self.preempt_signals)
         _at_least("failure.max_restarts", self.max_restarts, 0)
         _at_least("failure.nan_patience", self.nan_patience, 0)
@@ -477,8 +476,6 @@ class FailureSection:
             raise SpecError(f"failure.straggler_factor is {self.straggler_factor}; it must be "
                             "above 1 (a rank this many times slower than the median is named).")
         _positive("failure.straggler_windows", self.straggler_windows)
-        from shardwise.resilience.faults import parse_faults
-
         parse_faults(self.faults)
 
 

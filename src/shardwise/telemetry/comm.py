@@ -60,6 +60,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from shardwise.compat import functional_collectives, in_autograd_thread, resolve_process_group
+from shardwise.telemetry.comm_theory import ring_fraction
+
 #: (bytes, the tensor whose device the call runs on) of a call, from its arguments
 _Extract = Callable[[tuple, dict], tuple[int, torch.Tensor | None]]
 
@@ -152,16 +155,6 @@ class OpTotals:
         self.bytes += nbytes
         self.wire_bytes += wire
         self.time_s += seconds
-
-
-def wire_factor(op: str, n: int) -> float:
-    """Bytes sent per buffer byte by a bandwidth-optimal ring of n ranks (the volume model the
-    theoretical minima use): all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all /
-    broadcast (n-1)/n, send 1, recv 0."""
-    if n <= 1:
-        return 0.0 if op not in ("send", "p2p") else 1.0
-    return {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0, "p2p": 1.0,
-            "barrier": 0.0}.get(op, (n - 1) / n)
 
 
 @dataclass
@@ -319,7 +312,7 @@ def _device_type(tensor: torch.Tensor) -> str:
 def _in_backward() -> bool:
     """True on a thread that is running an autograd graph task (on CUDA: the engine's device
     threads, which run backward hooks and so issue FSDP's and DDP's gradient collectives)."""
-    return torch._C._current_graph_task_id() != -1
+    return in_autograd_thread()
 
 
 class CommTap:
@@ -420,7 +413,7 @@ class CommTap:
         global _ACTIVE
         if _ACTIVE is not None:
             _ACTIVE.uninstall()
-        from torch.distributed import _functional_collectives as funcol
+        funcol = functional_collectives()
         from torch.distributed import distributed_c10d as c10d
 
         # One wrapper per function, set on every module that exports it: torch compares them
@@ -530,7 +523,7 @@ class CommTap:
         if threading.get_ident() != self._owner and not _in_backward():
             return self._background_call(original, args, kwargs, f"{op}:{axis}", nbytes)
         if wire is None:
-            wire = nbytes * wire_factor(op, size)
+            wire = nbytes * ring_fraction(op, size)
         slot = self.recorder.issue(op, label, nbytes, self.step) if self.recorder else None
         clock = self._clock_for(tensor) if tensor is not None and (self._timed_cpu or tensor.is_cuda) \
             else None
@@ -747,9 +740,7 @@ def _resolve(group: Any) -> dist.ProcessGroup | None:
         mesh, dim = group
         return mesh.get_group(dim)
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(group)
+        return resolve_process_group(group)
     get_group = getattr(group, "get_group", None)  # a 1-D DeviceMesh
     if get_group is not None:
         return get_group()

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from shardwise.data.prepare import cache_root
 from shardwise.telemetry.bubble import StageClock, theoretical_bubble
 from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_blocks, utilization
 from shardwise.telemetry.memory import ActivationSampler, device_memory
 from shardwise.telemetry.peak import Peak, resolve_peak
+from shardwise.utils.files import cache_root
 
 # The trainer and its step result (shardwise.run.trainer / run.step) are passed in and read by
 # attribute; telemetry sits below run/ and does not import it.
@@ -56,7 +56,7 @@ class RunPerf:
             self.model_flops = self.counts.per_token()
             self.hardware_flops = self.counts.hardware_per_token(self.recomputed)
         local = resolve_peak(ctx.device, spec.run.precision, spec.telemetry.peak_flops,
-                             cache_root(spec.data), announce=ctx.is_main)
+                             cache_root(spec.data.cache_dir), announce=ctx.is_main)
         self.peak = _agreed_peak(local, trainer.gather([local.flops or 0.0, local.probe or 0.0]))
         self.clock = StageClock(pm.pipeline) if pm.pipeline is not None else None
         self.bubble_theory = None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call `write(tmp)` then rename tmp over `path`, so readers see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,3 +37,10 @@ def sha256_file(path: Any) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Where shardwise caches what it can recompute (token arrays, file hashes, the CPU matmul
+    probe): `cache_dir` (a run's `data.cache_dir`), else $SHARDWISE_CACHE, else
+    ~/.cache/shardwise. One rule, so the planner finds the probe a run cached."""
+    return Path(cache_dir or os.environ.get("SHARDWISE_CACHE") or "~/.cache/shardwise").expanduser()

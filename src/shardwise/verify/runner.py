@@ -19,7 +19,9 @@ from shardwise.data import PreparedData, prepare_data
 from shardwise.data.ledger import audit
 from shardwise.errors import UserError
 from shardwise.run import rundir
-from shardwise.run.launch import check_preempted, launch_local, preflight, run_local, with_model_tokenizer
+from shardwise.run.agent import check_preempted, launch_local
+from shardwise.run.launch import run_local
+from shardwise.run.preflight import preflight, with_model_tokenizer
 from shardwise.run.worker import FINAL_STATE
 from shardwise.spec import RunSpec, load_spec
 from shardwise.verify.layouts import Layout

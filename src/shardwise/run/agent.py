@@ -1,0 +1,137 @@
+"""Start N local workers through torch's elastic agent — the engine behind torchrun — and say
+why they failed when they do (a user error written by the workers, a hang report, a collective
+mismatch read from the flight records, a preemption).
+
+Rendezvous is c10d on localhost port 0, so the agent binds a free port: parallel jobs on one
+machine never collide on a fixed port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardwise.resilience.preempt import (
+    PREEMPTED_EXIT,
+    agent_signals,
+    marker_message,
+    read_marker,
+)
+from shardwise.run.rundir import ERRORS_DIR
+
+
+class WorkersFailed(Exception):
+    """One or more workers exited non-zero; `exit_code` is 2 when all failed on a user error."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Preempted(WorkersFailed):
+    """A preemption signal stopped the run after a committed checkpoint (exit code 75)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, PREEMPTED_EXIT)
+
+
+def check_preempted(run_dir: Path) -> None:
+    """Raise Preempted when this launch's workers stopped on a preemption signal."""
+    marker = read_marker(run_dir)
+    if marker is not None:
+        raise Preempted(marker_message(run_dir, marker))
+
+
+def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
+                 worker_args: tuple[str, ...] = (), preempt_signals: str = "",
+                 grace_s: float = 30.0, then: tuple[Path, ...] = ()) -> None:
+    """Run `python -m shardwise.run.worker RUN_DIR` on `nproc` local workers and wait (with
+    `then`, the workers train those fresh run directories after RUN_DIR, in the same launch). A
+    preemption signal to this process is forwarded to the workers, which get `grace_s` to
+    commit their checkpoint before the agent kills them."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        # Our own message below names the failed ranks; the agent's log lines would repeat it.
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        monitor_interval=0.1, **_agent_signal_options(preempt_signals, grace_s),
+    )
+    args = ["-m", "shardwise.run.worker", str(run_dir), *map(str, then),
+            *(["--resume"] if resume else []), *worker_args]
+    errors = run_dir / ERRORS_DIR
+    shutil.rmtree(errors, ignore_errors=True)
+    try:
+        elastic_launch(config, sys.executable)(*args)
+    except SignalException as err:  # the agent forwarded it and waited for the workers
+        check_preempted(run_dir)
+        raise WorkersFailed(
+            f"stopped by {signal.Signals(err.sigval).name} before the workers committed a "
+            f"preemption checkpoint (failure.preempt_signals does not list it, or the save took "
+            f"longer than failure.preempt_grace_s = {grace_s:g}). Continue from the last "
+            f"checkpoint with `shardwise train --resume {run_dir}`.", 1) from None
+    except ChildFailedError as err:
+        codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+        messages = sorted({p.read_text() for p in errors.glob("rank-*.txt")})
+        if messages:  # a user error, the same on every rank that saw it: say it once
+            raise WorkersFailed(" ".join(messages), 2) from None
+        listed = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
+        diagnosis = explain_failure(run_dir, nproc)
+        if diagnosis:
+            print(f"\n{diagnosis}", file=sys.stderr, flush=True)
+        raise WorkersFailed(
+            f"training failed: {listed} (a negative code is the signal that stopped it). The "
+            f"workers' own output is above; the run directory {run_dir} keeps everything "
+            f"written so far: continue from its last checkpoint with `shardwise train --resume "
+            f"{run_dir}`.", 1) from None
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def _agent_signal_options(preempt_signals: str, grace_s: float) -> dict[str, object]:
+    """LaunchConfig's signal fields where this torch has them (older ones read the env)."""
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    options: dict[str, object] = {}
+    if "signals_to_handle" in fields:
+        options["signals_to_handle"] = agent_signals(preempt_signals)
+    else:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals(preempt_signals)
+    if "shutdown_timeout" in fields:
+        options["shutdown_timeout"] = max(1, math.ceil(grace_s))
+    return options
+
+
+def explain_failure(run_dir: Path, world: int) -> str:
+    """The hang report of the last attempt if a watchdog wrote one; otherwise a diagnosis of the
+    ranks' flight records when they show a mismatch or a rank that fell behind (gloo aborts a
+    process on a collective mismatch, so that rank could not say it). Written to
+    RUN_DIR/diagnostics/attempt-N/hang-report.txt and appended to metrics.jsonl as a `hang`
+    event. Empty when the records show nothing wrong with the collectives."""
+    from shardwise.resilience.flight import read_all
+    from shardwise.resilience.hang import REPORT, append_event, diagnose, latest_attempt_dir, save
+
+    directory = latest_attempt_dir(run_dir)
+    if directory is None:
+        return ""
+    if not (directory / REPORT).exists():
+        flights = read_all(directory)
+        diagnosis = diagnose(flights, world)
+        if not flights or not diagnosis.diverged:
+            return ""
+        save(directory, diagnosis,
+             diagnosis.text(f"FAILED: the workers of {directory.name} died; their flight "
+                            "records show a collective problem."),
+             max(f.step for f in flights))
+    append_event(run_dir, directory, source="launcher")
+    return (directory / REPORT).read_text()
