@@ -37,6 +37,6 @@ def test_export_equals_the_runs_parameters(layout, world, parallel, model, small
 
 def test_export_refuses_a_damaged_or_missing_checkpoint(small_corpus, tmp_path, capsys):
     assert main(["export", str(tmp_path)]) == 2
-    assert "is not a checkpoint" in capsys.readouterr().err
+    assert "is neither a checkpoint (no meta.json" in capsys.readouterr().err
     assert main(["export", str(tmp_path), "--format", "onnx"]) == 2
     assert "--format 'onnx' is not supported" in capsys.readouterr().err

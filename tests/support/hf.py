@@ -13,6 +13,7 @@ from tests.support.cli import shardwise
 def export_round_trip(run_dir: Path, spec, params: dict, out: Path) -> torch.nn.Module:
     """`shardwise export --format hf` of the run's last checkpoint, loaded back by transformers:
     the trained parameters exactly, and the trained model's logits exactly. The loaded model."""
+    from shardwise.checkpoint.discovery import checkpoint_at
     from shardwise.checkpoint.export import consolidated
 
     proc = shardwise("export", str(run_dir), "--format", "hf", "--out", str(out), cwd=out.parent)
@@ -20,8 +21,7 @@ def export_round_trip(run_dir: Path, spec, params: dict, out: Path) -> torch.nn.
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, params[name]), name
-    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    trained, _, _ = consolidated(ckpt, spec)
+    trained, _, _ = consolidated(checkpoint_at(run_dir), spec)
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=tokens).logits, trained(tokens))

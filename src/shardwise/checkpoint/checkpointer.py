@@ -1,6 +1,6 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: ROOT/step-000123/ holds the DCP shards (`*.distcp` + `.metadata`), one
+Layout (`shardwise.checkpoint.layout`): ROOT/step-000123/ holds the DCP shards (`*.distcp` + `.metadata`), one
 `rng/rank-NNNNN.pt` per rank, the run manifest, and `meta.json` (per-file sizes and SHA-256),
 written last. ROOT is RUN_DIR/checkpoints or `checkpoint.uri` (a local directory or an S3 prefix);
 how a save is committed there — rename of a `.staging` directory on disk, meta.json last on object
@@ -47,12 +47,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardwise.checkpoint.integrity import META, Verdict, hash_files, sizes_match, verify
+from shardwise.checkpoint import discovery
+from shardwise.checkpoint.integrity import Verdict, hash_files, sizes_match
+from shardwise.checkpoint.layout import META, rng_file, step_dir_name, step_of
+from shardwise.checkpoint.location import Location, StorageSpec
 from shardwise.checkpoint.staging import HostStager
 from shardwise.checkpoint.storage import (
-    Location,
     Storage,
-    StorageSpec,
     follow_location,
     open_storage,
     read_torch,
@@ -115,14 +116,6 @@ def full_model_state(parts: list[nn.Module], pp_group: dist.ProcessGroup | None 
     return merged
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def _step_of(path: Location) -> int:
-    return int(path.name.split("-")[1])
-
-
 @dataclass
 class SaveRecord:
     """What one save cost, for the `checkpoint` event. `stall_s` is the time the step loop was
@@ -163,7 +156,8 @@ class _Pending:
 
 class Checkpointer:
     def __init__(self, root: Path, rank: int, distributed: bool, keep_last: int = 0,
-                 keep_every: int = 0, *, storage: Storage | None = None, async_save: bool = False,
+                 keep_every: int = 0, *, storage: Storage[Any] | None = None,
+                 async_save: bool = False,
                  timeout_s: float = 300.0, device: torch.device | None = None) -> None:
         """`root` is RUN_DIR/checkpoints; without `storage`, the checkpoints are wherever that
         directory's location.json says (see `for_run`), else in it. `device` is where the
@@ -223,7 +217,7 @@ class Checkpointer:
             self.storage.prepare(staging, final)
         self._barrier()
         state = {name: _wrap(obj) for name, obj in components.items()}
-        extra = {f"rng/rank-{self.rank:05d}.pt": torch_bytes(rng_state())}
+        extra = {rng_file(self.rank): torch_bytes(rng_state())}
         if self.rank == 0:
             extra.update({path.name: path.read_bytes() for path in attach})
         record = SaveRecord(step, final, "async" if self.async_save else "sync", 0.0, waited)
@@ -323,7 +317,7 @@ class Checkpointer:
         """Retention: keep the last `keep_last` checkpoints and every `keep_every`-th step."""
         if self.keep_last <= 0:
             return
-        steps = sorted(_step_of(p) for p in self.storage.step_dirs())
+        steps = sorted(step for p in self.storage.step_dirs() if (step := step_of(p)) is not None)
         keep = set(steps[-self.keep_last:]) | {newest}
         for step in steps:
             if step not in keep and not (self.keep_every and step % self.keep_every == 0):
@@ -333,7 +327,7 @@ class Checkpointer:
     def candidates(self) -> list[Location]:
         """Checkpoint directories named step-NNNNNN, newest first (complete or not)."""
         self.wait()
-        return sorted(self.storage.step_dirs(), key=_step_of, reverse=True)
+        return discovery.candidates(self.storage)
 
     def find_valid(self) -> tuple[Location | None, list[Verdict]]:
         """The newest checkpoint whose every file matches its recorded size and SHA-256, and the
@@ -342,21 +336,16 @@ class Checkpointer:
         if self.rank == 0:
             self.storage.recover()
         self._barrier()  # every rank lists the same directories, recovered ones included
-        rejected: list[Verdict] = []
-        for path in self.candidates():
-            verdict = verify(path, self.rank, self.world, self.distributed, self.group)
-            if verdict.valid:
-                return path, rejected
-            rejected.append(verdict)
-        return None, rejected
+        return discovery.newest_valid(self.storage, self.rank, self.world, self.distributed,
+                                      self.group)
 
     def latest(self) -> Location | None:
         """Newest checkpoint whose meta.json lists files of the right sizes (no hashing; not
         collective, so only rank 0 puts back an interrupted re-save first)."""
         self.wait()
-        if self.rank == 0:
-            self.storage.recover()
-        return next((p for p in self.candidates() if sizes_match(p)), None)
+        if self.rank != 0:
+            return next((p for p in self.candidates() if sizes_match(p)), None)
+        return discovery.newest_complete(self.storage)
 
     def load(self, path: Location, components: dict[str, Any]) -> dict[str, Any]:
         """Restore every component from `path` in place; return its meta."""
@@ -372,7 +361,7 @@ class Checkpointer:
                      process_group=self.group, no_dist=not self.distributed)
         # a rank that did not exist at the saving world size keeps its seeded state
         with contextlib.suppress(FileNotFoundError):
-            set_rng_state(read_torch(path / "rng" / f"rank-{self.rank:05d}.pt"))
+            set_rng_state(read_torch(path / rng_file(self.rank)))
         return json.loads(meta_text)
 
 

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardwise.checkpoint.integrity import META, verify
+from shardwise.checkpoint.discovery import Found
+from shardwise.checkpoint.integrity import verify
+from shardwise.checkpoint.layout import META
 from shardwise.errors import UserError
 from shardwise.models import build_model
 from shardwise.models.plan import plan_of
@@ -26,7 +28,7 @@ from shardwise.models.registry import model_source
 from shardwise.spec.runspec import RunSpec
 
 
-def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) -> Path:
+def export_safetensors(checkpoint: Found, out_dir: Path, spec: RunSpec | None) -> Path:
     """Write out_dir/model.safetensors (+ config.json, tokenizer.json); returns the model file.
     `spec`: the run's spec (what `shardwise.run.rundir.load_run_spec` reads from its directory)."""
     from safetensors.torch import save_file
@@ -41,8 +43,8 @@ def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) ->
     config = {"vocab_size": data.vocab_size, "seq_len": spec.data.seq_len,
               **dataclasses.asdict(spec.model), "tied": [list(g) for g in tied],
               "source": model_source(spec.model.family, spec.model),
-              "checkpoint": str(checkpoint),
-              "step": json.loads((checkpoint / META).read_text())["step"]}
+              "checkpoint": str(checkpoint.location),
+              "step": json.loads((checkpoint.location / META).read_text())["step"]}
     model_file = out_dir / "model.safetensors"
     save_file(tensors, str(model_file), metadata={"format": "pt", "shardwise_config":
                                                   json.dumps(config)})
@@ -52,7 +54,7 @@ def export_safetensors(checkpoint: Path, out_dir: Path, spec: RunSpec | None) ->
     return model_file
 
 
-def export_hf_dir(checkpoint: Path, out_dir: Path, spec: RunSpec | None, dtype: str = "") -> Path:
+def export_hf_dir(checkpoint: Found, out_dir: Path, spec: RunSpec | None, dtype: str = "") -> Path:
     """Write a `from_pretrained` directory for a run of a Hugging Face model."""
     from shardwise.checkpoint.hf import export_hf
 
@@ -63,19 +65,20 @@ def export_hf_dir(checkpoint: Path, out_dir: Path, spec: RunSpec | None, dtype: 
     return export_hf(model, out_dir, spec.model, data.tokenizer_path, dtype)
 
 
-def consolidated(checkpoint: Path, spec: RunSpec | None) -> tuple[torch.nn.Module, Any, RunSpec]:
+def consolidated(checkpoint: Found, spec: RunSpec | None) -> tuple[torch.nn.Module, Any, RunSpec]:
     """The run's model, built whole in this process, with the checkpoint's parameters (read with
     DCP without a process group, resharded from whatever layout wrote them)."""
-    if not (checkpoint / META).is_file():
-        raise UserError(f"{checkpoint} is not a checkpoint (no {META}). Pass a directory like "
+    location = checkpoint.location
+    if not (location / META).is_file():
+        raise UserError(f"{location} is not a checkpoint (no {META}). Pass a directory like "
                         "runs/NAME/checkpoints/step-000500.")
-    verdict = verify(checkpoint, 0, 1, False)
+    verdict = verify(location, 0, 1, False)
     if not verdict.valid:
-        raise UserError(f"{checkpoint} does not verify: {'; '.join(verdict.problems)}. Export an "
+        raise UserError(f"{location} does not verify: {'; '.join(verdict.problems)}. Export an "
                         "earlier checkpoint instead.")
     if spec is None:
-        raise UserError(f"{checkpoint} has no run spec beside it ({checkpoint.parent.parent} "
-                        "should hold spec.toml). Export a checkpoint inside its run directory.")
+        raise UserError(f"{location} has no run spec beside it ({checkpoint.run_dir} should hold "
+                        "spec.toml). Export a checkpoint inside its run directory.")
     from shardwise.data import prepare_data
 
     data = prepare_data(spec.data)
@@ -83,7 +86,7 @@ def consolidated(checkpoint: Path, spec: RunSpec | None) -> tuple[torch.nn.Modul
     state = {k: v for k, v in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=True)
+        dcp.load({"model": state}, storage_reader=checkpoint.reader(), no_dist=True)
     return model, data, spec
 
 
@@ -102,16 +105,3 @@ def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
             tensors[name] = tensors[group[0]]
     model.load_state_dict(tensors, strict=True)
     return model, config
-
-
-def newest_checkpoint(path: Path) -> Path:
-    """`path` itself, or for a run directory its newest checkpoint that verifies."""
-    if (path / META).is_file() or not (path / "checkpoints").is_dir():
-        return path
-    steps = sorted((d for d in (path / "checkpoints").glob("step-*") if (d / META).is_file()),
-                   reverse=True)
-    for step in steps:
-        if verify(step, 0, 1, False).valid:
-            return step
-    raise UserError(f"{path} has no checkpoint that verifies (in {path / 'checkpoints'}). Train "
-                    "with checkpoint.enabled = true, or pass a checkpoint directory.")

@@ -4,7 +4,7 @@ Hashing is split across ranks (file i to rank i mod world) both when a checkpoin
 when it is verified, so a large checkpoint costs each rank only its share. A checkpoint whose
 files do not match — truncated, bit-flipped, missing — is reported by file, and the loader falls
 back to the newest checkpoint that does match. Directories are `Location`s (a local path or an
-object-store prefix, see `shardwise.checkpoint.storage`); listing and reading go through it.
+object-store prefix, see `shardwise.checkpoint.location`); listing and reading go through it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.storage import META, Location, list_files
+from shardwise.checkpoint.layout import META
+from shardwise.checkpoint.location import Location, list_files
 from shardwise.utils.files import sha256_file
 
 __all__ = ["META", "Verdict", "checkpoint_files", "hash_files", "sha256_file", "sizes_match", "verify"]

@@ -128,3 +128,15 @@ def _collect(obj: Any, path: TensorPath, out: dict[TensorPath, torch.Tensor]) ->
     elif isinstance(obj, list | tuple):
         for i, value in enumerate(obj):
             _collect(value, (*path, i), out)
+
+
+class HostCopyStage:
+    """Mixin for DCP writers: `dcp.async_save` stages through the writer's `stage()`, here into
+    the host buffers of the checkpointer's `HostStager` (one for the writer alone without it)."""
+
+    stager: HostStager | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.stager is None:
+            self.stager = HostStager()
+        return self.stager.stage(state_dict)

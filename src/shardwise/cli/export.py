@@ -32,15 +32,15 @@ def run(args: argparse.Namespace) -> int:
                         "or --format hf.")
     if args.dtype and args.format != "hf":
         raise UserError("--dtype applies to --format hf only.")
-    from shardwise.checkpoint.export import export_hf_dir, export_safetensors, newest_checkpoint
-    from shardwise.checkpoint.integrity import META
+    from shardwise.checkpoint.discovery import checkpoint_at
+    from shardwise.checkpoint.export import export_hf_dir, export_safetensors
     from shardwise.run import rundir
 
-    checkpoint = newest_checkpoint(Path(args.checkpoint).expanduser())
+    checkpoint = checkpoint_at(Path(args.checkpoint).expanduser())
     out = Path(args.out).expanduser() if args.out else \
-        checkpoint.parent.parent / "export" / checkpoint.name
-    spec = rundir.load_run_spec(checkpoint.parent.parent, []) \
-        if (checkpoint / META).is_file() else None  # export names what is missing otherwise
+        checkpoint.run_dir / "export" / checkpoint.name
+    spec = rundir.load_run_spec(checkpoint.run_dir, []) \
+        if (checkpoint.run_dir / rundir.SPEC_FILE).is_file() else None  # export says what is missing
     if args.format == "hf":
         model_file = export_hf_dir(checkpoint, out, spec, args.dtype)
         print(f"wrote {out} (from_pretrained loads it; {model_file.name} "

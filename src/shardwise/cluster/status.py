@@ -45,6 +45,9 @@ def report(run_dir: Path) -> str:
                      + (f", {rate:,.0f} tokens/s" if rate is not None else "")
                      + (f", {step['samples_per_s']:.2f} samples/s"
                         if step.get("samples_per_s") is not None else ""))
+    newest = _newest_checkpoint(run_dir)
+    if newest is not None:
+        lines.append(f"newest checkpoint: {newest}")
     marker = read_marker(run_dir)
     if marker is not None:
         lines.append(f"preempted by {marker['signal']} after step {marker['step']} (checkpoint "
@@ -52,3 +55,16 @@ def report(run_dir: Path) -> str:
     elif "run_end" in events:
         lines.append(f"finished at step {events['run_end']['step']}")
     return "\n".join(lines)
+
+
+def _newest_checkpoint(run_dir: Path) -> str | None:
+    """The newest complete checkpoint (sizes checked, not hashed), wherever the run keeps them."""
+    if not (run_dir / "checkpoints").is_dir():
+        return None
+    from shardwise.checkpoint.discovery import newest_complete, run_checkpoints
+
+    try:
+        found = newest_complete(run_checkpoints(run_dir))
+    except UserError as err:  # an unreachable bucket must not hide the rest of the report
+        return f"unknown ({err})"
+    return None if found is None else str(found)

@@ -37,11 +37,12 @@ def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
 
 def export_hf_at_end(spec: RunSpec, run_dir: Path) -> None:
     """`checkpoint.hf_export`: the run's newest checkpoint as a from_pretrained directory."""
-    from shardwise.checkpoint.export import export_hf_dir, newest_checkpoint
+    from shardwise.checkpoint.discovery import checkpoint_at
+    from shardwise.checkpoint.export import export_hf_dir
 
     out = Path(spec.checkpoint.hf_export).expanduser()
     out = out if out.is_absolute() else run_dir / out
-    checkpoint = newest_checkpoint(run_dir)
+    checkpoint = checkpoint_at(run_dir)
     export_hf_dir(checkpoint, out, spec)
     print(f"exported {checkpoint.name} to {out} (AutoModelForCausalLM.from_pretrained loads it)",
           file=sys.stderr)

@@ -51,9 +51,10 @@ def resume_checkpoint(run_dir: Path, spec: RunSpec) -> Path:
     """The newest complete checkpoint of the run, checked to leave steps to train."""
     import json
 
-    from shardwise.checkpoint.checkpointer import META, Checkpointer
+    from shardwise.checkpoint.discovery import newest_complete, run_checkpoints
+    from shardwise.checkpoint.layout import META
 
-    checkpoint = Checkpointer(run_dir / "checkpoints", rank=0, distributed=False).latest()
+    checkpoint = newest_complete(run_checkpoints(run_dir))
     if checkpoint is None:
         raise UserError(
             f"nothing to resume in {run_dir}: no complete checkpoint under "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import Checkpointer, ModelState, SaveRecord
+from shardwise.checkpoint.discovery import uncommitted
 from shardwise.data import BatchLayout, EvalBatches, PreparedData, TrainBatches
 from shardwise.data.ledger import LedgerWriter
 from shardwise.data.samples import EXAMPLE
@@ -187,7 +188,7 @@ class Trainer:
             return
         checkpoint, rejected = self.checkpointer.find_valid()
         if self.ctx.is_main:
-            for stale in sorted(self.checkpointer.root.glob("step-*.staging")):
+            for stale in uncommitted(self.checkpointer.storage):
                 print(f"warning: ignoring {stale}: an interrupted save that was never committed "
                       "(it is left in place; the next save of that step replaces it)",
                       file=sys.stderr)
