@@ -12,7 +12,8 @@ Under torchrun every rank runs the script and `train` joins the launcher's world
 starts `parallel.nproc` local workers as the CLI does. A builder function given as `model` is
 recorded as `model.family = "py:FILE:NAME"` (so the spec, the manifest and a resume name it);
 `model_args` fills `model.args`. Likewise a dataset function `data(args) -> SampleData` becomes
-`data.source = "py:FILE:NAME"`, with `data_args` in `data.args`.
+`data.source = "py:FILE:NAME"`, with `data_args` in `data.args`, and each of `hooks` (functions
+`setup(trainer)` that add hooks with `trainer.add_hook(fn, every=N)`) an entry of `run.hooks`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from shardwise.spec.runspec import RunSpec
 def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any] | None = None,
           model_args: Mapping[str, Any] | None = None, data: Callable[..., Any] | None = None,
           data_args: Mapping[str, Any] | None = None, overrides: Iterable[str] = (),
-          resume: str | Path | None = None) -> Path:
-    """Train; returns the run directory. `spec`: a RunSpec, a TOML path, or None (defaults)."""
+          resume: str | Path | None = None,
+          hooks: Iterable[Callable[..., Any]] = ()) -> Path:
+    """Train; returns the run directory. `spec`: a RunSpec, a TOML path, or None (defaults).
+    `hooks`: functions `setup(trainer)`, each at the top level of a file, that every rank calls
+    before the first step to add hooks (`trainer.add_hook(fn, every=N)`); recorded in
+    `run.hooks` so a resume runs them again."""
     from shardwise.parallel.distributed import under_launcher
     from shardwise.run import rundir
     from shardwise.spec import load_spec
@@ -56,6 +61,9 @@ def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any]
                                     args=dict(data_args or resolved.data.args))
     elif data_args is not None:
         resolved = resolved.replace("data", args=dict(data_args))
+    hooks = list(hooks)
+    if hooks:
+        resolved = resolved.replace("run", hooks=tuple(family_of(h, "hooks") for h in hooks))
     resolved = resolved.validate()
     if under_launcher():
         from shardwise.run.worker import run_under_torchrun

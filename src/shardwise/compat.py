@@ -8,7 +8,9 @@ of the package that reaches a private torch name itself. A leaf: it imports only
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 __all__ = [
-    "DTensorSpec", "TensorBase", "TorchDispatchMode", "_StridedShard", "_reparametrize_module",
+    "DTensorSpec", "TensorBase", "TorchDispatchMode", "TorchPatches", "_StridedShard",
+    "_reparametrize_module",
     "clear_dtensor_caches", "compute_local_shape_and_global_offset", "foreach_mul_",
     "foreach_norm", "fsspec_reader", "fsspec_writer", "functional_collectives",
     "in_autograd_thread", "resolve_process_group", "side_group", "tree_flatten", "tree_leaves",
@@ -119,3 +122,48 @@ def clear_dtensor_caches() -> None:
     clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:
         clear_planners()
+
+
+class TorchPatches:
+    """The process-wide replacements shardwise makes on torch, made through one object that
+    undoes them: the comm tap's collective wrappers (torch has no public hook that sees every
+    collective with its group and size on every backend) and the meta-device build's
+    `Tensor.is_meta` (a torch function mode does not see property reads). The worker enters one
+    for the whole run (`shardwise.run.worker`), and on leaving it torch is as it found it,
+    whatever failed in between; `scope()` undoes what was set inside it sooner.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, bool, Any]] = []  # owner, name, had own attr, value
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        """Replace `owner.name` (a module's function, a class's attribute) until undone."""
+        own = vars(owner)
+        self._saved.append((owner, name, name in own, own.get(name)))
+        setattr(owner, name, value)
+
+    def undo_since(self, mark: int) -> None:
+        """Put back everything set after `mark` (a `len(self)` taken earlier), newest first."""
+        while len(self._saved) > mark:
+            owner, name, had, value = self._saved.pop()
+            if had:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[TorchPatches]:
+        mark = len(self)
+        try:
+            yield self
+        finally:
+            self.undo_since(mark)
+
+    def __enter__(self) -> TorchPatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo_since(0)

@@ -76,5 +76,5 @@ def test_no_checkpoint_that_verifies_is_a_user_error(tmp_path: Path) -> None:
     run = tmp_path / "run"
     path = save(run / "checkpoints", 1)
     next(path.glob("*.distcp")).write_bytes(b"")
-    with pytest.raises(UserError, match="no checkpoint that verifies.*step-000001"):
+    with pytest.raises(UserError, match=r"no checkpoint that verifies.*step-000001"):
         checkpoint_at(run)

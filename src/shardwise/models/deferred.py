@@ -58,6 +58,7 @@ from torch import nn
 from shardwise.compat import (
     TensorBase,
     TorchDispatchMode,
+    TorchPatches,
     compute_local_shape_and_global_offset,
     tree_flatten,
     tree_leaves,
@@ -153,12 +154,15 @@ class InitRecord:
 
 
 # --- recording ----------------------------------------------------------------------------------
-def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecord]:
+def record_build(build: Callable[[], nn.Module], patches: TorchPatches | None = None
+                 ) -> tuple[nn.Module, InitRecord]:
     """Run `build()` on the meta device and record how to rebuild its parameters and buffers.
-    The torch RNG is used as the eager build would use it (seed it before). Raises CannotDefer."""
+    The torch RNG is used as the eager build would use it (seed it before). Raises CannotDefer.
+    `patches`: the runtime's torch patches (a scope of its own without one)."""
     recorder = _Recorder()
     try:
-        with torch.device("meta"), _TensorLiterals(recorder), recorder, _is_meta_as_eager():
+        with (torch.device("meta"), _TensorLiterals(recorder), recorder,
+              _is_meta_as_eager(patches if patches is not None else TorchPatches())):
             module = build()
     except _NeedsValues as err:
         raise CannotDefer(str(err)) from err
@@ -492,10 +496,11 @@ def _on_meta(device: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _is_meta_as_eager() -> Iterator[None]:
+def _is_meta_as_eager(patches: TorchPatches) -> Iterator[None]:
     """`Tensor.is_meta` is False for `torch.nn.init` and for code outside torch while recording,
     as in the eager build: `trunc_normal_`, `orthogonal_`, `dirac_` and `sparse_` return early
-    on meta tensors, skipping their random draws (torch's own internals see the truth)."""
+    on meta tensors, skipping their random draws (torch's own internals see the truth). Set
+    through `patches` and put back when the build ends."""
     real = TensorBase.is_meta
 
     def is_meta(self: torch.Tensor) -> bool:
@@ -504,16 +509,9 @@ def _is_meta_as_eager() -> Iterator[None]:
             return real.__get__(self)
         return False
 
-    had = "is_meta" in vars(torch.Tensor)
-    saved = vars(torch.Tensor).get("is_meta")
-    torch.Tensor.is_meta = property(is_meta)  # type: ignore[assignment, method-assign]
-    try:
+    with patches.scope():
+        patches.set(torch.Tensor, "is_meta", property(is_meta))
         yield
-    finally:
-        if had:
-            torch.Tensor.is_meta = saved  # type: ignore[method-assign]
-        else:
-            del torch.Tensor.is_meta
 
 
 # --- replay -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.compat import TorchPatches
 from shardwise.errors import UserError
 from shardwise.models.deferred import CannotDefer, InitRecord, record_build
 from shardwise.models.gpt import GPT, GPTConfig
@@ -54,18 +55,19 @@ def _construct(model: ModelSection, vocab_size: int, seq_len: int) -> nn.Module:
     return _build_user(model, vocab_size)
 
 
-def build_deferred(model: ModelSection, vocab_size: int, seq_len: int,
-                   seed: int) -> tuple[nn.Module, InitRecord]:
+def build_deferred(model: ModelSection, vocab_size: int, seq_len: int, seed: int,
+                   patches: TorchPatches | None = None) -> tuple[nn.Module, InitRecord]:
     """The model on the meta device and the record of its init (`model.init = "meta"`): the
     same values as `build_model` once materialised. A build that cannot be recorded faithfully
     is built eagerly instead; the record then says why (`record.fallback`). With
-    `model.init = "eager"`, `build_model`'s model and a record that defers nothing."""
+    `model.init = "eager"`, `build_model`'s model and a record that defers nothing. `patches`:
+    the runtime's torch patches, through which the recording build makes its one change."""
     if model.init == "eager":
         return build_model(model, vocab_size, seq_len, seed), InitRecord.eager()
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            built, record = record_build(lambda: _construct(model, vocab_size, seq_len))
+            built, record = record_build(lambda: _construct(model, vocab_size, seq_len), patches)
         if record.deferred:
             return built, record
         reason = ""

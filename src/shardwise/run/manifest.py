@@ -106,11 +106,12 @@ def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
                    lineage: list[dict[str, Any]], data_path: str, content_sha256: str,
                    tokenizer_sha256: str, telemetry: dict[str, Any] | None = None,
                    model: dict[str, Any] | None = None,
-                   data_code: dict[str, str] | None = None) -> dict[str, Any]:
+                   data_code: dict[str, str] | None = None,
+                   hooks_code: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """`telemetry`: the FLOPs formula, FLOPs per token and the peak FLOP/s (with its source) the
     run's MFU is computed with (shardwise.telemetry.perf). `model`: where the model's code comes
     from (a user file's SHA-256, or a package version) and its plan. `data_code`: the file and
-    SHA-256 of a `py:` dataset function."""
+    SHA-256 of a `py:` dataset function; `hooks_code` those of the `run.hooks` files."""
     return {
         "format": FORMAT,
         "run_id": run_id,
@@ -127,6 +128,7 @@ def build_manifest(spec: RunSpec, *, run_id: str, topology: dict[str, Any],
         "topology": topology,
         "lineage": lineage,
         "telemetry": telemetry,
+        **({"hooks": hooks_code} if hooks_code else {}),
     }
 
 

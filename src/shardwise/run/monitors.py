@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shardwise.compat import TorchPatches
 from shardwise.parallel.distributed import DistContext
 from shardwise.resilience.flight import FlightRecorder, flight_dir, read_flight
 from shardwise.resilience.hang import Diagnosis
@@ -51,7 +52,9 @@ class StepSample:
 
 class Monitors:
     def __init__(self, spec: RunSpec, ctx: DistContext, run_dir: Path, events: EventLog,
-                 attempt: int) -> None:
+                 attempt: int, patches: TorchPatches | None = None) -> None:
+        """`patches`: the worker's runtime, through which the comm tap wraps torch's
+        collectives (the tap keeps a scope of its own without one)."""
         self.spec, self.ctx, self.events, self.attempt = spec, ctx, events, attempt
         self.recorder: FlightRecorder | None = None
         self.tap: CommTap | None = None
@@ -64,7 +67,7 @@ class Monitors:
                 for name, mesh in (("dp_cp", ctx.dp_cp_mesh), ("dp_shard_cp", ctx.fsdp_cp_mesh)):
                     if mesh is not None and mesh.ndim == 1:  # context parallel's gradient groups
                         axes[mesh.get_group().group_name] = name
-                self.tap = CommTap(axes, self.recorder).install()
+                self.tap = CommTap(axes, self.recorder).install(patches)
             if spec.failure.hang_timeout_s > 0:
                 # the watchdog also resolves device-timed completions (progress) while the
                 # training thread is blocked on the device

@@ -40,8 +40,10 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     from shardwise.parallel.checks import check_layout
     from shardwise.parallel.devices import resolve_backend, resolve_device_type, resolve_nproc
     from shardwise.parallel.support import check_torch_supports
+    from shardwise.run.hooks import user_hook_setups
 
     spec = with_model_tokenizer(spec)
+    user_hook_setups(spec.run.hooks)  # a missing hook file fails here, not in every worker
     device_type = resolve_device_type(spec.parallel)
     check_torch_supports(spec, resolve_backend(spec.parallel, device_type))
     spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel, device_type))

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.compat import TorchPatches
 from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext, init_distributed, launcher_store, shutdown
 from shardwise.run import rundir
+from shardwise.run.hooks import user_hook_setups
 from shardwise.run.preflight import with_data_hashes
 from shardwise.run.resume import ResumeMode, restart_attempt, resume_mode
 from shardwise.run.rundir import ERRORS_DIR
@@ -61,15 +63,20 @@ def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, mode: ResumeMode, ui:
            after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
     data = data or _prepare_everywhere(spec, ctx)
     events = _event_log(spec, ctx, run_dir, ui)
-    try:
-        trainer = Trainer(spec, ctx, run_dir, data, events)
-        trainer.start(mode)
-        summary = trainer.fit()
-        if after_fit is not None:
-            summary.extra = after_fit(trainer)
-        return summary
-    finally:
-        events.close()
+    # the runtime: every change shardwise makes to torch (the meta build's, the comm tap's) is
+    # made through `patches` and undone when the run ends, however it ends
+    with TorchPatches() as patches:
+        try:
+            trainer = Trainer(spec, ctx, run_dir, data, events, patches)
+            for setup in user_hook_setups(spec.run.hooks):
+                setup(trainer)
+            trainer.start(mode)
+            summary = trainer.fit()
+            if after_fit is not None:
+                summary.extra = after_fit(trainer)
+            return summary
+        finally:
+            events.close()
 
 
 def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:

@@ -148,8 +148,13 @@ def _coerce(where: str, expected: Any, value: Any) -> Any:
         raise SpecError(f"{where} must be a file path (a string) or a table like "
                         f"{{ model_type = \"llama\", hidden_size = 64 }}, got {show(value)} "
                         f"({type(value).__name__}).")
+    if typing.get_origin(expected) is tuple and typing.get_args(expected)[0] is str:
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(_checked_str(f"{where}[{i}]", v) for i, v in enumerate(value))
+        raise SpecError(f"{where} must be an array of strings like [\"py:my_hooks.py:setup\"], "
+                        f"got {show(value)} ({type(value).__name__}).")
     if typing.get_origin(expected) is tuple:  # tuple[int, ...]: an array of whole numbers
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+        if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool)
                                            for v in value):
             return tuple(_checked_int(f"{where}[{i}]", v) for i, v in enumerate(value))
         raise SpecError(f"{where} must be an array of whole numbers like [3, 4, 4, 3], got "

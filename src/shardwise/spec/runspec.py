@@ -53,9 +53,17 @@ class RunSection:
     # fp32 matmuls on Ampere or newer GPUs use TF32 tensor cores (10-bit mantissa inputs, fp32
     # accumulation): ~8x the fp32 throughput. false: full fp32 matmuls. No effect on CPUs.
     tf32: bool = True
+    # "py:FILE.py:FUNCTION" functions called with the Trainer on every rank before the first
+    # step, to add hooks of their own: `trainer.add_hook(fn, every=N)` (`shardwise.train(hooks=)`)
+    hooks: tuple[str, ...] = ()
 
     def validate(self) -> None:
         _check_run_name(self.name)
+        for entry in self.hooks:
+            if not (isinstance(entry, str) and entry.startswith("py:") and entry.count(":") >= 2):
+                raise SpecError(f"run.hooks entry {entry!r} is not a function reference. Write "
+                                "\"py:FILE.py:FUNCTION\", a function taking the Trainer that adds "
+                                "hooks with trainer.add_hook(fn, every=N).")
         _at_least("run.seed", self.seed, 0)
         _choice("run.determinism", self.determinism, DETERMINISM)
         _positive("run.steps", self.steps)

@@ -60,7 +60,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from shardwise.compat import functional_collectives, in_autograd_thread, resolve_process_group
+from shardwise.compat import (
+    TorchPatches,
+    functional_collectives,
+    in_autograd_thread,
+    resolve_process_group,
+)
 from shardwise.telemetry.comm_theory import ring_fraction
 
 #: (bytes, the tensor whose device the call runs on) of a call, from its arguments
@@ -334,7 +339,8 @@ class CommTap:
         self._clock_for = clock_for
         self._timed_cpu = clock_for is not cuda_clock_for  # a test clock may time CPU tensors
         self._served_by = served_by
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patches: TorchPatches | None = None  # while installed
+        self._mark = 0
         self._local = threading.local()
         self._lock = threading.Lock()
         self._resolving = threading.Lock()  # one thread at a time turns events into figures
@@ -409,10 +415,14 @@ class CommTap:
         return len(pending) - len(ready)
 
     # --- install / uninstall -------------------------------------------------------------------
-    def install(self) -> CommTap:
-        global _ACTIVE
-        if _ACTIVE is not None:
-            _ACTIVE.uninstall()
+    def install(self, patches: TorchPatches | None = None) -> CommTap:
+        """Wrap torch's collectives through `patches` (the worker's runtime; without one the tap
+        keeps its own), undone by `uninstall` or, at the latest, when the runtime ends."""
+        if getattr(dist.all_reduce, "__shardwise_tap__", False):
+            raise RuntimeError("a CommTap is already installed in this process; uninstall it "
+                               "before installing another")
+        self._patches = patches if patches is not None else TorchPatches()
+        self._mark = len(self._patches)
         funcol = functional_collectives()
         from torch.distributed import distributed_c10d as c10d
 
@@ -425,22 +435,18 @@ class CommTap:
                        functional=True)
         self._wrap_batch_p2p((c10d, dist))
         self._wrap_wait_tensor(funcol)
-        _ACTIVE = self
         return self
 
     def uninstall(self) -> None:
-        global _ACTIVE
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
-        self._saved.clear()
-        if _ACTIVE is self:
-            _ACTIVE = None
+        if self._patches is not None:
+            self._patches.undo_since(self._mark)
+            self._patches = None
 
     def _set(self, modules: tuple[Any, ...], name: str, original: Any, wrapper: Any) -> None:
         for module in modules:
             if getattr(module, name, None) is original:
-                self._saved.append((module, name, original))
-                setattr(module, name, wrapper)
+                assert self._patches is not None  # set by install()
+                self._patches.set(module, name, wrapper)
 
     def _wrap(self, modules: tuple[Any, ...], name: str, op: str, extract: _Extract, gpos: int,
               gathered_by_size: bool, functional: bool = False) -> None:
@@ -687,8 +693,6 @@ def _storage_key(tensor: torch.Tensor) -> int:
     """A functional result and the views of it that get waited share one storage."""
     return tensor.untyped_storage().data_ptr()
 
-
-_ACTIVE: CommTap | None = None
 
 
 def ddp_comm_hook(group: dist.ProcessGroup | None) -> Callable:

@@ -2,32 +2,28 @@
 trainer calls from three places: `manifest_fields` (manifest), `start_fields` (run_start event) and
 `on_log` (step event fields; emits the one-off `memory` event).
 
-Per-rank figures are gathered with the trainer's `gather` (one all-gather of a vector), so every
+Per-rank figures are gathered with the run's `gather` (one all-gather of a vector), so every
 method that gathers is a collective: every rank calls it at the same point (the trainer's hooks run
-on every rank).
+on every rank). It is given the pieces it reads, not the trainer: telemetry sits below `run/`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from shardwise.spec.runspec import MemorySection, ParallelSection
 from shardwise.telemetry.bubble import StageClock, theoretical_bubble
+from shardwise.telemetry.events import EventLog
 from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_blocks, utilization
 from shardwise.telemetry.memory import ActivationSampler, device_memory
 from shardwise.telemetry.peak import Peak, resolve_peak
 from shardwise.utils.files import cache_root
 
-# The trainer and its step result (shardwise.run.trainer / run.step) are passed in and read by
-# attribute; telemetry sits below run/ and does not import it.
-Trainer = Any
-StepResult = Any
-
-def flop_counts_of(trainer: Trainer) -> FlopCounts | None:
-    """The model's FLOP facts, from its plan (None for a model that does not state them)."""
-    return trainer.model.plan.flop_counts
+Gather = Callable[[list[float]], list[list[float]]]  # every rank's vector, in rank order
 
 
 def _agreed_peak(local: Peak, rows: list[list[float]]) -> Peak:
@@ -42,33 +38,48 @@ def _agreed_peak(local: Peak, rows: list[list[float]]) -> Peak:
                 local.probe_detail)
 
 
+@dataclasses.dataclass(frozen=True)
+class PerfInputs:
+    """What the measurements read of the run's spec (its sections, not the whole spec)."""
+
+    memory: MemorySection
+    parallel: ParallelSection
+    precision: str
+    peak_flops: float
+    cache_dir: str
+
+
 class RunPerf:
-    def __init__(self, trainer: Trainer) -> None:
-        spec, ctx, pm = trainer.spec, trainer.ctx, trainer.model
+    def __init__(self, inputs: PerfInputs, ctx: Any, model: Any, optimizers: list[Any],
+                 accumulation: int, gather: Gather, events: EventLog,
+                 rss_before_model: int | None = None) -> None:
+        """`ctx`: the rank's DistContext; `model`: the ParallelModel (its plan, pipeline and
+        parts are read); `rss_before_model`: a CPU run's host memory before the model existed,
+        the baseline of its peak."""
+        self.gather, self.events, self.rss_before_model = gather, events, rss_before_model
         self.world_size = ctx.world_size
-        self.counts = flop_counts_of(trainer)
+        self.counts: FlopCounts | None = model.plan.flop_counts
         self.recomputed = 0
         self.model_flops = self.hardware_flops = None
         if self.counts is not None:
-            mem = spec.memory
+            mem = inputs.memory
             self.recomputed = recomputed_blocks(mem.activation_checkpoint, mem.ac_every,
                                                 self.counts.n_layers)
             self.model_flops = self.counts.per_token()
             self.hardware_flops = self.counts.hardware_per_token(self.recomputed)
-        local = resolve_peak(ctx.device, spec.run.precision, spec.telemetry.peak_flops,
-                             cache_root(spec.data.cache_dir), announce=ctx.is_main)
-        self.peak = _agreed_peak(local, trainer.gather([local.flops or 0.0, local.probe or 0.0]))
-        self.clock = StageClock(pm.pipeline) if pm.pipeline is not None else None
+        local = resolve_peak(ctx.device, inputs.precision, inputs.peak_flops,
+                             cache_root(inputs.cache_dir), announce=ctx.is_main)
+        self.peak = _agreed_peak(local, gather([local.flops or 0.0, local.probe or 0.0]))
+        self.clock = StageClock(model.pipeline) if model.pipeline is not None else None
         self.bubble_theory = None
-        if pm.pipeline is not None:
-            par = spec.parallel
-            self.bubble_theory = theoretical_bubble(par.pp_schedule, ctx.dims.pp,
-                                                    trainer.layout.accumulation,
+        if model.pipeline is not None:
+            par = inputs.parallel
+            self.bubble_theory = theoretical_bubble(par.pp_schedule, ctx.dims.pp, accumulation,
                                                     par.pp_virtual_stages)
         self.activations: ActivationSampler | None = None
-        if not spec.memory.compile:  # compiled blocks and saved-tensor hooks do not mix
+        if not inputs.memory.compile:  # compiled blocks and saved-tensor hooks do not mix
             self.activations = ActivationSampler()
-            self.activations.arm(pm.parts, trainer.optimizers.optimizers)
+            self.activations.arm(model.parts, optimizers)
         self.device = ctx.device
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -91,14 +102,16 @@ class RunPerf:
                 "peak_flops": self.peak.flops, "peak_flops_source": self.peak.source,
                 "peak_flops_probe": self.peak.probe, "flops_formula": FLOPS_FORMULA}
 
-    def on_log(self, trainer: Trainer, result: StepResult, step_time: float) -> dict[str, Any]:
-        """Step-event fields for the window that just ended (collective: one all-gather, and one
-        more the first time, for the `memory` event)."""
-        if not self._memory_emitted and trainer.meter.report is not None:
-            self._emit_memory(trainer, result.step)
+    def on_log(self, step: int, tokens: int, step_time: float,
+               model_state: dict[str, int] | None) -> dict[str, Any]:
+        """Step-event fields for the window that just ended at `step` (`tokens` trained in its
+        last step; collective: one all-gather, and one more the first time, for the `memory`
+        event, once `model_state` — the model-state meter's report — exists)."""
+        if not self._memory_emitted and model_state is not None:
+            self._emit_memory(model_state, step)
         fields: dict[str, Any] = {}
         if self.model_flops is not None and self.peak.flops:
-            tokens_per_s = result.tokens / step_time
+            tokens_per_s = tokens / step_time
             fields["mfu"] = utilization(self.model_flops, tokens_per_s, self.world_size,
                                         self.peak.flops)
             fields["hfu"] = utilization(self.hardware_flops or 0.0, tokens_per_s,
@@ -106,7 +119,7 @@ class RunPerf:
         memory = device_memory(self.device)
         busy, span, steps = self.clock.drain() if self.clock is not None else (0.0, 0.0, 0)
         local = [float(v) for v in memory.values()] + [busy / max(steps, 1), span / max(steps, 1)]
-        cols = list(zip(*trainer.gather(local), strict=True))
+        cols = list(zip(*self.gather(local), strict=True))
         for key, col in zip(memory, cols, strict=False):
             fields[f"{key}_per_rank"] = [int(v) for v in col]
         fields["peak_mem_bytes"] = max(fields["peak_mem_bytes_per_rank"])
@@ -124,21 +137,21 @@ class RunPerf:
                 "stage_busy_s_per_rank": list(busy),
                 "stage_idle_s_per_rank": [s - b for b, s in zip(busy, span, strict=True)]}
 
-    def _emit_memory(self, trainer: Trainer, step: int) -> None:
+    def _emit_memory(self, model_state: dict[str, int], step: int) -> None:
         """The one `memory` event: model state from ModelStateMeter, activations from the
         sampled step, per rank (collective)."""
         self._memory_emitted = True
-        state = dict(trainer.meter.report or {})
+        state = dict(model_state)
         sampled = self.activations.peak_bytes if self.activations is not None else None
         if self.activations is not None:
             self.activations.disarm()
-        baseline = getattr(trainer, "rss_before_model", None)  # CPU: RSS before the model
+        baseline = self.rss_before_model
         local = [float(v) for v in state.values()] + [-1.0 if sampled is None else float(sampled),
                                                       -1.0 if baseline is None else float(baseline)]
-        cols = list(zip(*trainer.gather(local), strict=True))
+        cols = list(zip(*self.gather(local), strict=True))
         fields = {f"{key}_per_rank": [int(v) for v in col]
                   for key, col in zip(state, cols, strict=False)}
         fields["activation_bytes_per_rank"] = [None if v < 0 else int(v) for v in cols[-2]]
         if baseline is not None:
             fields["rss_before_model_bytes_per_rank"] = [int(v) for v in cols[-1]]
-        trainer.events.emit("memory", step, **fields)
+        self.events.emit("memory", step, **fields)

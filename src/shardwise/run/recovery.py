@@ -1,0 +1,138 @@
+"""Where a launch starts and how it backs out: the resume rule with its messages, loading a
+checkpoint (the `resume` event and the lineage it continues), and the numerics guard's rollback.
+
+`Recovery.start` acts on `run.resume` (collective: ranks hash their share of the checkpoint's
+files in parallel); `NumericsGuard.check` counts consecutive non-finite steps and, after
+`failure.nan_patience` of them, rolls back to the newest valid checkpoint and skips the batches
+that diverged, so they are never trained on.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.checkpoint import Checkpointer
+from shardwise.checkpoint.discovery import uncommitted
+from shardwise.checkpoint.location import Location
+from shardwise.data import BatchLayout, TrainBatches
+from shardwise.data.ledger import LedgerWriter
+from shardwise.errors import UserError
+from shardwise.parallel.distributed import DistContext
+from shardwise.run import manifest, rundir
+from shardwise.run.resume import ResumeMode
+from shardwise.run.step import StepResult
+from shardwise.spec.runspec import RunSpec
+from shardwise.telemetry import EventLog
+
+
+@dataclass
+class Recovery:
+    """Loads checkpoints into the run's components and says which and why."""
+
+    checkpointer: Checkpointer
+    components: Callable[[], dict[str, Any]]
+    step: Callable[[], int]  # the trainer's step, after a load
+    events: EventLog
+    is_main: bool
+    lineage: list[dict[str, Any]] = field(default_factory=list)  # checkpoints this run continues
+
+    def start(self, mode: ResumeMode, run_dir: Path, spec: RunSpec) -> None:
+        """Act on the resume rule: load the newest checkpoint whose files all verify, naming
+        every newer one that did not and why, or start from step 0."""
+        if mode is ResumeMode.FRESH:
+            return
+        checkpoint, rejected = self.checkpointer.find_valid()
+        if self.is_main:
+            for stale in uncommitted(self.checkpointer.storage):
+                print(f"warning: ignoring {stale}: an interrupted save that was never committed "
+                      "(it is left in place; the next save of that step replaces it)",
+                      file=sys.stderr)
+        for verdict in rejected:
+            self.events.emit("checkpoint_rejected", self.step(), path=str(verdict.path),
+                             problems=list(verdict.problems))
+        if checkpoint is None and mode is ResumeMode.IF_ANY:
+            if self.is_main:
+                print("warning: restarted before any valid checkpoint was written: training "
+                      "again from step 0 in the same run directory", file=sys.stderr)
+            return
+        if checkpoint is None:
+            details = "; ".join(f"{v.path.name}: {', '.join(v.problems)}" for v in rejected)
+            raise UserError(f"no valid checkpoint to resume in {self.checkpointer.root}"
+                            f"{': ' + details if details else ''}. Start a fresh run, or restore "
+                            "the damaged files from a copy.")
+        if rejected and self.is_main:
+            for verdict in rejected:
+                print(f"warning: skipping checkpoint {verdict.path.name}: "
+                      f"{'; '.join(verdict.problems)}", file=sys.stderr)
+            print(f"warning: resuming from {checkpoint.name}, the newest checkpoint that "
+                  "verifies", file=sys.stderr)
+        self.load(checkpoint)
+        rundir.check_steps_left(run_dir, self.step(), spec)
+
+    def load(self, checkpoint: Location) -> None:
+        t0 = time.perf_counter()
+        meta = self.checkpointer.load(checkpoint, self.components())
+        seconds = time.perf_counter() - t0
+        size = sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())
+        self.lineage = manifest.lineage_after_resume(checkpoint)
+        self.events.emit("resume", self.step(), path=str(checkpoint),
+                         from_layout=meta.get("layout"), from_world_size=meta.get("world_size"),
+                         load_s=round(seconds, 4), bytes=size,
+                         load_bytes_per_s=round(size / seconds) if seconds > 0 else None)
+
+
+@dataclass
+class NumericsGuard:
+    """Rolls back after `patience` consecutive steps with non-finite gradients (fp16 overflows
+    excluded: the loss scaler backs off for those; 0 = never)."""
+
+    patience: int
+    recovery: Recovery
+    train_data: TrainBatches
+    ledger: LedgerWriter
+    ctx: DistContext
+    layout: BatchLayout
+    events: EventLog
+    scaled: bool  # fp16 with a loss scaler
+    _bad_steps: int = 0
+    _bad_from: int = 0
+
+    def check(self, result: StepResult) -> bool:
+        """Count the step; True if it triggered a rollback (the loop goes on from the
+        checkpoint's step)."""
+        if not result.skipped or self.scaled:
+            self._bad_steps = 0
+            return False
+        if self._bad_steps == 0:
+            self._bad_from = self.train_data.consumed_samples - self.layout.global_batch
+        self._bad_steps += 1
+        self.events.emit("nonfinite", result.step, loss=result.loss, grad_norm=result.grad_norm,
+                         consecutive=self._bad_steps)
+        if not self.patience or self._bad_steps < self.patience:
+            return False
+        bad_to = self.train_data.consumed_samples
+        checkpoint, _ = self.recovery.checkpointer.find_valid()
+        if checkpoint is None:
+            raise UserError(
+                f"training diverged: {self._bad_steps} consecutive steps with non-finite "
+                f"gradients (up to step {result.step}) and no checkpoint to roll back to. Lower "
+                "optimizer.lr, set checkpoint.every so there is one, or inspect the data.")
+        self.recovery.load(checkpoint)
+        self.train_data.skip(self._bad_from, bad_to)
+        step = self.recovery.step()
+        self.ledger.count_launches()
+        if self.ctx.distributed:
+            dist.barrier()
+        self.ledger.start_launch(step, self.ctx.world_size, self.ctx.dims.dp,
+                                 self.layout.global_batch, skipped=(self._bad_from, bad_to))
+        self.events.emit("rollback", step, path=str(checkpoint),
+                         skipped_samples=[self._bad_from, bad_to], bad_steps=self._bad_steps)
+        self._bad_steps = 0
+        return True
