@@ -36,6 +36,7 @@ from shardwise.parallel.expert import apply_expert_parallel, build_expert_mesh
 from shardwise.parallel.invariant import install_on_fsdp
 from shardwise.parallel.memory import apply_activation_checkpointing, apply_compile, blocks_of
 from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_layer_counts
+from shardwise.parallel.strategies import InvariantStep, PipelineStep, PlainStep, StepStrategy
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel
 from shardwise.parallel.tied import TiedAcrossStages
 from shardwise.spec.runspec import RunSpec
@@ -61,7 +62,8 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         if deferred:
             assert record is not None  # deferred implies a record
             materialize([model], record, ctx.device)
-        return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant)
+        return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant,
+                             strategy=_step_strategy(invariant, pipeline=False))
 
     # 1. pipeline split
     ids, n_stages, parts = [0], 1, [model]
@@ -127,11 +129,20 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
     pm = ParallelModel(parts, ctx, spec.run.precision, plan, loss_parallel=loss_par,
                        sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule,
-                       tied=tied if tied is not None and tied.groups else None, context=context)
+                       tied=tied if tied is not None and tied.groups else None, context=context,
+                       strategy=_step_strategy(invariant, pipeline=dims.pp > 1))
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,
                                ctx.mesh["pp"], ctx.device, pm.pipeline_loss)
     return pm
+
+
+def _step_strategy(invariant: bool, pipeline: bool) -> StepStrategy:
+    """How a step's micro-batches run, chosen once: invariant mode's fixed tree (data-parallel
+    layouts only; check_layout refuses it with pp), the pipeline schedule, or one plain module."""
+    if invariant:
+        return InvariantStep()
+    return PipelineStep() if pipeline else PlainStep()
 
 
 def local_bytes(tensors) -> int:

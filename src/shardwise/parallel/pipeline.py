@@ -16,6 +16,7 @@ import copy
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -25,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from shardwise.models.plan import ModelPlan
 
@@ -50,10 +52,22 @@ def stage_layer_counts(n_layers: int, n_stages: int, split: Sequence[int] = ()) 
     return counts
 
 
-def stage_ids(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
+def stage_count(pp: int, v: int, schedule: str) -> int:
+    """Stages the model is cut into: two per rank for zero-bubble, else `v` per rank."""
+    return 2 * pp if schedule == "zero-bubble" else pp * v
+
+
+def stage_holder(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that holds `stage`: the one placement rule (looped, or V for zero-bubble)."""
     if schedule == "zero-bubble":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(v)]
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def stage_ids(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
+    """The stages `pp_rank` holds, in stage order."""
+    return [s for s in range(stage_count(pp, v, schedule))
+            if stage_holder(s, pp, schedule) == pp_rank]
 
 
 def split_model(model: nn.Module, plan: ModelPlan, stage: int, counts: list[int]) -> nn.Module:
@@ -99,3 +113,50 @@ class Pipeline:
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         return losses
+
+
+# --- forward only (evaluation, generation) ----------------------------------------------------------
+def forward_only(parts: list[nn.Module], ids: list[int], n_stages: int, schedule: str,
+                 tokens: torch.Tensor, pp_mesh: DeviceMesh, device: torch.device
+                 ) -> torch.Tensor | None:
+    """Stage by stage with point-to-point sends: no schedule, so any batch size works. The last
+    stage's output on the rank that holds it, None on the others (a collective over pp)."""
+    group, me, pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+    x: torch.Tensor | None = None
+    for stage in range(n_stages):
+        if stage_holder(stage, pp, schedule) != me:
+            continue
+        before = stage_holder(stage - 1, pp, schedule) if stage > 0 else me
+        if before != me:
+            x = _recv_tensor(dist.get_global_rank(group, before), group, device)
+        x = parts[ids.index(stage)](tokens if stage == 0 else x)
+        after = stage_holder(stage + 1, pp, schedule) if stage < n_stages - 1 else me
+        if after != me:
+            _send_tensor(x, dist.get_global_rank(group, after), group)
+    return x if n_stages - 1 in ids else None
+
+
+def _send_tensor(x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """A tensor of any shape and dtype, preceded by its header; everything on x's device (the
+    backend may be NCCL, which has no CPU tensors)."""
+    x = x.to_local() if isinstance(x, DTensor) else x
+    header = torch.tensor([x.dim(), *x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64,
+                          device=x.device)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=x.device), dst, group=group)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    n = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(n, src, group=group)
+    header = torch.zeros(int(n), dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    ndim = int(header[0])
+    shape, dtype = header[1:1 + ndim].tolist(), _DTYPES[int(header[1 + ndim])]
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
