@@ -2,7 +2,7 @@
 that fit their step times. Imports no torch (the model's `ModelDims` come from the caller).
 
 A run directory holds `spec.toml` and `metrics.jsonl` (the `run_start`, `model_state`, `memory` and
-`step` events, README "What a run writes"). What is compared:
+`step` events, docs/telemetry.md "Events"). What is compared:
 
 - **model state**: the rank with the most parameter + gradient + optimizer bytes
   (`model_state` event: param_bytes, grad_bytes, optimizer_bytes) against

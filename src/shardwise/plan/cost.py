@@ -94,7 +94,7 @@ class CostParams:
     # CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicator buffers per rank.
     runtime_overhead_bytes: float = 1.0 * GIB
     # Bytes per residual-stream element: shardwise keeps the residual stream and norms in fp32
-    # (README "Precision"); Megatron and Korthikanti et al. keep them in bf16 (2).
+    # (docs/precision.md); Megatron and Korthikanti et al. keep them in bf16 (2).
     residual_bytes: int = 4
     fused_attention: bool = True  # scaled_dot_product_attention: no s x s score matrix kept
     dropout: bool = False  # the built-in GPT and Llama-style models train without dropout

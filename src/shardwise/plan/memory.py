@@ -2,7 +2,7 @@
 param_bytes, gathered_param_bytes, grad_bytes, optimizer_bytes) plus activations, buffers, the
 fragmentation allowance and the runtime's own overhead.
 
-Model state, with shardwise's precision policy (README "Precision"; `parallel/data_parallel.py`):
+Model state, with shardwise's precision policy (docs/precision.md; `parallel/data_parallel.py`):
 fp32 parameters, fp32 gradients (accumulated and reduced in fp32) and AdamW's two fp32 moments;
 under bf16 FSDP gathers `nn.Linear` weights already cast to bf16 and every other parameter (norms,
 embeddings, the root's output head) in fp32; under DDP / ZeRO-1 autocast keeps the bf16 (fp16)
