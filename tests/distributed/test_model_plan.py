@@ -220,7 +220,7 @@ def test_python_api_trains_a_builder_function_on_two_workers(small_corpus, tmp_p
 
 def test_print_plan_shows_placements_stages_units_and_tied_groups(small_corpus, tmp_path):
     def plan(*sets: str) -> subprocess.CompletedProcess:
-        args = [sys.executable, "-m", "shardwise", "train", "--print-plan",
+        args = [sys.executable, "-m", "shardwise", "train", "--print-placement",
                 "--set", f"data.source={small_corpus}", "--set", "data.vocab_size=512"]
         for s in sets:
             args += ["--set", s]

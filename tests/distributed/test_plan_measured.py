@@ -24,8 +24,8 @@ import pytest
 
 from shardwise.cli.main import main
 from shardwise.cli.plan import _from_runspec
-from shardwise.plan.calibrate import read_run
-from shardwise.plan.cost import DEFAULT_PARAMS, predict_memory
+from shardwise.planner.calibrate import read_run
+from shardwise.planner.cost import DEFAULT_PARAMS, predict_memory
 from tests.support.ranks import run_ranks
 from tests.support.specs import grid, tiny_spec
 from tests.support.workers import train, train_many
@@ -202,15 +202,15 @@ def test_train_warns_or_refuses_when_a_rank_is_predicted_not_to_fit(
     assert main(train) == 0  # the default: fits this machine, says nothing
     assert "warning" not in capsys.readouterr().err
     # 0.2 GiB is less than a CPU worker's runtime alone (CostParams.cpu_runtime_overhead_bytes)
-    assert main([*train, "--set", "plan.device_memory_gib=0.2"]) == 0
+    assert main([*train, "--set", "fit.device_memory_gib=0.2"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("warning: the memory model predicts each rank of zero3-2 needs")
-    assert "plan.device_memory_gib = 0.2 gives 204.80 MiB" in err and err.count("\n") == 1
-    assert main([*train, "--set", "plan.device_memory_gib=0.2", "--set", "plan.strict=true"]) == 2
-    err = capsys.readouterr().err
-    assert "plan.strict = true refuses" in err and "runtime 3" in err and "Traceback" not in err
-    assert main([*train, "--set", "plan.device_memory_gib=-1"]) == 2
-    assert "plan.device_memory_gib" in capsys.readouterr().err
+    assert "fit.device_memory_gib = 0.2 gives 204.80 MiB" in err and err.count("\n") == 1
+    assert main([*train, "--set", "fit.device_memory_gib=0.2", "--set", "fit.strict=true"]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # the paragraph, unwrapped
+    assert "fit.strict = true refuses" in err and "runtime 3" in err and "Traceback" not in err
+    assert main([*train, "--set", "fit.device_memory_gib=-1"]) == 2
+    assert "fit.device_memory_gib" in capsys.readouterr().err
 
 
 def test_the_fit_check_costs_milliseconds(small_corpus: Path, tmp_path: Path) -> None:
@@ -218,7 +218,7 @@ def test_the_fit_check_costs_milliseconds(small_corpus: Path, tmp_path: Path) ->
 
     from shardwise.models.registry import describe_model
     from shardwise.parallel.dims import ParallelDims
-    from shardwise.plan.fit import check_fit
+    from shardwise.planner.fit import check_fit
     from shardwise.spec import RunSpec
 
     spec = RunSpec()  # the embedded default job: FSDP on 2 CPU workers

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from shardwise.plan import comm as plan_comm
+from shardwise.planner import comm as plan_comm
 from shardwise.telemetry.comm_theory import min_wire_bytes, ring_fraction
 
 
@@ -30,7 +30,7 @@ def test_ring_fractions():
 
 
 def test_planner_prices_the_same_volume():
-    """plan/comm's bandwidth term is the same fraction of the buffer (latency aside)."""
+    """planner/comm's bandwidth term is the same fraction of the buffer (latency aside)."""
     grp = plan_comm.Group(4, 1, 4, 1e9, 1e9, 1e9, 0.0, 0.0, 0.0)
     assert plan_comm.all_reduce(1e6, grp) == pytest.approx(ring_fraction("all_reduce", 4) * 1e6 / 1e9)
     assert plan_comm.all_gather(1e6, grp) == pytest.approx(ring_fraction("all_gather", 4) * 1e6 / 1e9)

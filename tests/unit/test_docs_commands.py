@@ -227,8 +227,8 @@ def _check_semantics(cmd: Command, args) -> None:
         if args.resume_layout:
             parse_layout(args.resume_layout)
     if args.command == "plan":
-        from shardwise.plan.cluster import PRESETS as CLUSTERS
-        from shardwise.plan.models import PRESETS as MODELS
+        from shardwise.planner.cluster import PRESETS as CLUSTERS
+        from shardwise.planner.models import PRESETS as MODELS
 
         for value, presets, what in ((args.model, MODELS, "model"),
                                      (args.cluster, CLUSTERS, "cluster")):
@@ -336,7 +336,7 @@ def test_toml_snippet_is_a_valid_spec(block: Block):
         if name == "run":
             spec_from_dict(data, origin=f"{where}:{block.line}").validate()
         else:
-            from shardwise.plan.cluster import presets
+            from shardwise.planner.cluster import presets
 
             cluster_from_dict(data, origin=f"{where}:{block.line}", presets=presets())
     except SpecError as err:

@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"data"},
     {"resilience"},
-    {"plan", "report"},
+    {"planner", "report"},
     {"telemetry"},
     {"spec"},
     {"errors", "meta", "compat", "utils"},

@@ -17,15 +17,15 @@ from hypothesis import strategies as st
 
 from shardwise.cli.main import main
 from shardwise.errors import SpecError
-from shardwise.plan import comm
-from shardwise.plan.bubble import bubble_slots, in_flight, layer_split, rank_loads
-from shardwise.plan.cluster import PRESETS as CLUSTERS
-from shardwise.plan.cluster import resolve_cluster
-from shardwise.plan.cost import OVERHEAD_FIELDS, CostParams, predict, predict_memory
-from shardwise.plan.layout import Batch, Layout, layout_problem
-from shardwise.plan.memory import layer_activation, rank_params
-from shardwise.plan.models import ModelDims, from_hf_config, from_shape, preset
-from shardwise.plan.search import SearchSpace, any_fits, search, smallest_cluster
+from shardwise.planner import comm
+from shardwise.planner.bubble import bubble_slots, in_flight, layer_split, rank_loads
+from shardwise.planner.cluster import PRESETS as CLUSTERS
+from shardwise.planner.cluster import resolve_cluster
+from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, predict, predict_memory
+from shardwise.planner.layout import Batch, Layout, layout_problem
+from shardwise.planner.memory import layer_activation, rank_params
+from shardwise.planner.models import ModelDims, from_hf_config, from_shape, preset
+from shardwise.planner.search import SearchSpace, any_fits, search, smallest_cluster
 from shardwise.spec import load_spec
 from shardwise.spec.cluster import (
     ClusterSection,
@@ -325,7 +325,7 @@ def test_memory_is_monotone_in_zero_stage(model, batch, shard, pp, recompute, mb
     batch = dataclasses.replace(batch, global_batch=shard * mb * max(pp, 1) * 2)
     schedule = "1f1b" if pp > 1 else "none"
     # A stage whose largest block holds more than N/(N+1) of its parameters really needs more
-    # under ZeRO-2 than under ZeRO-1: FSDP stages one whole unit at a time (plan/memory.py).
+    # under ZeRO-2 than under ZeRO-1: FSDP stages one whole unit at a time (planner/memory.py).
     _, loads = rank_loads(model, pp, 1, schedule, batch.seq_len, recompute, 2)
     for load in loads:
         rp = rank_params(model, load, 1, 1)
@@ -371,8 +371,8 @@ def test_smallest_cluster_fits_and_one_node_less_does_not() -> None:
 
 
 def test_the_planner_imports_no_torch() -> None:
-    code = ("import sys, shardwise.plan, shardwise.plan.search, shardwise.plan.report, "
-            "shardwise.plan.cluster, shardwise.spec.cluster; "
+    code = ("import sys, shardwise.planner, shardwise.planner.search, shardwise.planner.report, "
+            "shardwise.planner.cluster, shardwise.spec.cluster; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -380,7 +380,7 @@ def test_the_planner_imports_no_torch() -> None:
 # --- CLI -----------------------------------------------------------------------------------------
 
 def test_cli_json_has_the_layout_keys(capsys) -> None:
-    from shardwise.plan.report import JSON_KEYS
+    from shardwise.planner.report import JSON_KEYS
 
     assert main(["plan", "--model", "gpt-default", "--cluster", "cpu-local", "--json",
                  "--top", "3"]) == 0
@@ -503,7 +503,7 @@ def synthetic_cases(names, truth: CostParams = TRUTH, scale: dict[str, float] | 
     (times `scale[name]` where given)."""
     from types import SimpleNamespace
 
-    from shardwise.plan.calibrate import RunRecord
+    from shardwise.planner.calibrate import RunRecord
 
     cases = []
     for name in names:
@@ -571,7 +571,7 @@ def test_framework_overhead_is_hidden_by_gpu_kernels_at_scale() -> None:
 
 
 def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
-    from shardwise.plan import calibrate as cal
+    from shardwise.planner import calibrate as cal
 
     cases = synthetic_cases(BENCH_LAYOUTS)
     assert len(cal.free_overheads(cases, CostParams())) == len(OVERHEAD_FIELDS)
@@ -589,7 +589,7 @@ def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
 
 
 def test_fit_keeps_unidentifiable_overheads_and_never_does_worse() -> None:
-    from shardwise.plan import calibrate as cal
+    from shardwise.planner import calibrate as cal
 
     # three configurations: efficiency and overlap only, every overhead keeps its value
     cases = synthetic_cases(["ddp2", "zero2-2", "zero3-2"])
@@ -609,7 +609,7 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
     """Each configuration (with its repeats) is predicted by a fit that never saw it: its LOO
     prediction is that of `fit` on the others, and does not move when its own measurement
     does; in-sample it does."""
-    from shardwise.plan import calibrate as cal
+    from shardwise.planner import calibrate as cal
 
     names = ["single", "ddp2", "zero2-2", "zero3-2", "tp2", "pp2-1f1b", "ddp4"]
     cases = synthetic_cases(names, repeats=2)
@@ -639,7 +639,7 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
 
 
 def test_spearman_over_configurations() -> None:
-    from shardwise.plan import calibrate as cal
+    from shardwise.planner import calibrate as cal
 
     assert cal.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert cal.spearman([3, 2, 1], [10, 20, 30]) == pytest.approx(-1.0)
@@ -651,7 +651,7 @@ def test_spearman_over_configurations() -> None:
 
 
 def test_overhead_params_are_validated(tmp_path: Path) -> None:
-    from shardwise.plan.calibrate import load_params
+    from shardwise.planner.calibrate import load_params
 
     path = tmp_path / "p.toml"
     path.write_text("[cost_params]\ntp_op_overhead_s = -1e-3\n")

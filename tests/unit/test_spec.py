@@ -564,3 +564,14 @@ def test_backend_must_fit_the_resolved_device():
         resolve_backend(ParallelSection(backend="nccl"), "cpu")  # device "auto" found no GPU
     with pytest.raises(SpecError, match="gloo cannot run"):
         resolve_backend(ParallelSection(backend="gloo"), "cuda")
+
+
+def test_the_old_plan_section_reads_as_fit(tmp_path):
+    """[plan] was the will-it-fit section's name, and run directories' spec.toml files hold it:
+    it still loads (as [fit]); both spellings at once is named."""
+    path = write_toml(tmp_path / "old.toml", {"plan": {"strict": True, "device_memory_gib": 8.0}})
+    spec = load_spec(path)
+    assert spec.fit.strict and spec.fit.device_memory_gib == 8.0
+    assert load_spec(None, ["plan.strict=true"]).fit.strict
+    with pytest.raises(SpecError, match=r"sets both \[plan\] and \[fit\]"):
+        load_spec(path, ["fit.strict=false"])

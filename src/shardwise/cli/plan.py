@@ -2,7 +2,7 @@
 
 `shardwise plan --calibrate RUN_DIR...`: the planner's error on runs that happened, and the
 efficiency, overlap and framework-overhead coefficients that fit their step times
-(`shardwise.plan.calibrate`), with the fit's error in-sample and leave-one-out (each
+(`shardwise.planner.calibrate`), with the fit's error in-sample and leave-one-out (each
 configuration predicted by a fit made without it); `--write-params` saves the fitted
 `CostParams`, `--params` uses them (in planning and in calibration).
 
@@ -23,8 +23,8 @@ from shardwise.errors import SpecError, UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from shardwise.plan.cluster import PRESETS as CLUSTERS
-    from shardwise.plan.models import PRESETS as MODELS
+    from shardwise.planner.cluster import PRESETS as CLUSTERS
+    from shardwise.planner.models import PRESETS as MODELS
 
     p = sub.add_parser(
         "plan", help="choose a parallel layout for a model on a cluster, before running it",
@@ -64,10 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.plan import report
-    from shardwise.plan.cluster import resolve_cluster
-    from shardwise.plan.layout import Batch
-    from shardwise.plan.search import search, smallest_cluster
+    from shardwise.planner import report
+    from shardwise.planner.cluster import resolve_cluster
+    from shardwise.planner.layout import Batch
+    from shardwise.planner.search import search, smallest_cluster
 
     if args.top < 1:
         raise UserError(f"--top {args.top}: show at least one layout.")
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _params(args: argparse.Namespace):
-    from shardwise.plan.calibrate import load_params
-    from shardwise.plan.cost import DEFAULT_PARAMS
+    from shardwise.planner.calibrate import load_params
+    from shardwise.planner.cost import DEFAULT_PARAMS
 
     return load_params(args.params) if args.params else DEFAULT_PARAMS
 
@@ -142,8 +142,8 @@ def calibrate(args: argparse.Namespace, params) -> int:
     import dataclasses
     import json
 
-    from shardwise.plan import calibrate as cal
-    from shardwise.plan.cluster import cpu_local, resolve_cluster
+    from shardwise.planner import calibrate as cal
+    from shardwise.planner.cluster import cpu_local, resolve_cluster
 
     runs = [cal.read_run(path) for path in args.calibrate]  # every directory checked first
     base = resolve_cluster(args.cluster or "cpu-local", args.nodes)
@@ -285,7 +285,7 @@ def _global_batch(args: argparse.Namespace, model, base, seq: int) -> int:
 def resolve_model(name: str):
     """(ModelDims, the RunSpec it came from or None) for a preset, a RunSpec .toml or a
     Hugging Face config.json."""
-    from shardwise.plan.models import PRESETS, from_hf_config, preset
+    from shardwise.planner.models import PRESETS, from_hf_config, preset
 
     if name in PRESETS:
         return preset(name), None
@@ -304,7 +304,7 @@ def _from_runspec(path: Path):
     import dataclasses
 
     from shardwise.models.registry import describe_model
-    from shardwise.plan.models import from_shape
+    from shardwise.planner.models import from_shape
     from shardwise.spec import load_spec
 
     spec = load_spec(path)

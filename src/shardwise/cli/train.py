@@ -25,9 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--print-spec", action="store_true",
                    help="print the resolved spec as TOML and exit without training")
-    p.add_argument("--print-plan", action="store_true",
+    p.add_argument("--print-placement", "--print-plan", dest="print_placement", action="store_true",
                    help="print where the layout puts every parameter (stages, tp and data-"
-                        "parallel sharding, FSDP units, tied groups) and exit without training")
+                        "parallel sharding, FSDP units, tied groups) and exit without training "
+                        "(--print-plan is its old name)")
     p.set_defaults(handler=run)
 
 
@@ -55,16 +56,16 @@ def run(args: argparse.Namespace) -> int:
 
         run_under_torchrun(spec, args.resume)
         return 0
-    return _launch(spec, args.resume, args.print_spec, args.print_plan)
+    return _launch(spec, args.resume, args.print_spec, args.print_placement)
 
 
-def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_plan: bool) -> int:
+def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_placement: bool) -> int:
     from shardwise.run.launch import Preempted, WorkersFailed, start_run
     from shardwise.run.preflight import placement_preview, preflight
     from shardwise.spec import spec_to_toml
 
     spec, dims = preflight(spec)
-    if print_spec or print_plan:
+    if print_spec or print_placement:
         sys.stdout.write(spec_to_toml(spec) if print_spec else placement_preview(spec, dims))
         return 0
     try:

@@ -240,7 +240,7 @@ def find_tied(module: Any) -> tuple[tuple[str, ...], ...]:
 
 
 def described(plan: ModelPlan) -> dict[str, Any]:
-    """The plan as plain data (for the manifest and `--print-plan`)."""
+    """The plan as plain data (for the manifest and `--print-placement`)."""
     return {"blocks": plan.blocks, "tp": dict(plan.tp),
             "stages": None if plan.stages is None else
             {"first": list(plan.stages.first), "last": list(plan.stages.last)},

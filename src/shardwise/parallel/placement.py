@@ -1,5 +1,5 @@
 """Where a layout puts every parameter of a model, worked out from the plan alone (no process
-group, the model built on the meta device): what `shardwise train --print-plan` shows before any
+group, the model built on the meta device): what `shardwise train --print-placement` shows before any
 worker starts.
 """
 

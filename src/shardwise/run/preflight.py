@@ -1,6 +1,6 @@
 """Every check that needs no worker, made before any worker starts (`shardwise train`, `launch`,
 `verify`, `shardwise.train`): the worker count, layout, batch and model checks, the data prepared
-and its hashes pinned into the spec, the will-it-fit memory check, and the `--print-plan`
+and its hashes pinned into the spec, the will-it-fit memory check, and the `--print-placement`
 placement print-out."""
 
 from __future__ import annotations
@@ -63,17 +63,17 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
 
 
 def check_memory(spec: RunSpec, dims: ParallelDims, plan, device_type: str) -> None:
-    """The will-it-fit check (`shardwise.plan.fit`): one warning line on stderr when the memory
-    model predicts a rank will not fit its device; with `plan.strict = true` a UserError (exit 2)
+    """The will-it-fit check (`shardwise.planner.fit`): one warning line on stderr when the memory
+    model predicts a rank will not fit its device; with `fit.strict = true` a UserError (exit 2)
     with the numbers instead. Silent when it fits, and when a GPU's memory cannot be read cheaply."""
     from shardwise.errors import UserError
-    from shardwise.plan.cluster import _physical_memory_bytes
-    from shardwise.plan.fit import check_fit
+    from shardwise.planner.cluster import _physical_memory_bytes
+    from shardwise.planner.fit import check_fit
 
     workers = spec.parallel.nproc
-    if spec.plan.device_memory_gib > 0:
-        capacity = spec.plan.device_memory_gib * 2**30
-        source = f"plan.device_memory_gib = {spec.plan.device_memory_gib:g}"
+    if spec.fit.device_memory_gib > 0:
+        capacity = spec.fit.device_memory_gib * 2**30
+        source = f"fit.device_memory_gib = {spec.fit.device_memory_gib:g}"
     elif device_type == "cpu":
         total = _physical_memory_bytes()
         capacity = total / workers
@@ -88,13 +88,13 @@ def check_memory(spec: RunSpec, dims: ParallelDims, plan, device_type: str) -> N
                        source)
     if result.fits:
         return
-    if spec.plan.strict:
-        raise UserError(f"{result.numbers()}, and plan.strict = true refuses to start a run "
+    if spec.fit.strict:
+        raise UserError(f"{result.numbers()}, and fit.strict = true refuses to start a run "
                         "predicted not to fit. Shard more (a higher parallel.zero, tp or pp), "
                         "checkpoint activations (memory.activation_checkpoint), lower "
                         "batch.micro_batch, or see `shardwise plan --model SPEC.toml --cluster "
-                        "...` for layouts that fit; set plan.strict = false to start it anyway.")
-    print(f"warning: {result.numbers()}; it may run out of memory (plan.strict = true refuses "
+                        "...` for layouts that fit; set fit.strict = false to start it anyway.")
+    print(f"warning: {result.numbers()}; it may run out of memory (fit.strict = true refuses "
           "such runs; `shardwise plan --model SPEC.toml` lists layouts that fit).",
           file=sys.stderr)
 
@@ -120,7 +120,7 @@ def cuda_device_memory() -> float | None:
 
 
 def placement_preview(spec: RunSpec, dims: ParallelDims) -> str:
-    """What `--print-plan` shows: every parameter's placement under `dims`, the pipeline stage
+    """What `--print-placement` shows: every parameter's placement under `dims`, the pipeline stage
     map, the FSDP units, the tied groups (the model built on the meta device; after `preflight`,
     so the data is prepared and cached)."""
     from shardwise.data import prepare_data

@@ -3,7 +3,7 @@
 A cluster is `nodes` x `devices_per_node` identical devices. TOML, one table per section:
 
     [cluster]
-    base = "dgx-h100"          # optional: start from a preset (shardwise.plan.cluster) and change
+    base = "dgx-h100"          # optional: start from a preset (shardwise.planner.cluster) and change
     name = "my-h100-pod"       #   only what differs; without a base every field below is required
     nodes = 64
     devices_per_node = 8

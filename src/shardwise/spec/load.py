@@ -24,6 +24,9 @@ _SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(RunSpec)[f.name] for f in dataclasses.fields(RunSpec)
 }
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # every int field ends up in a C int64 (seeds, sizes, steps)
+#: sections renamed since a release wrote them into run directories' spec.toml: read under the
+#: new name, so an old run still resumes (both spellings at once is a mistake worth naming)
+RENAMED_SECTIONS = {"plan": "fit"}
 
 
 def load_spec(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunSpec:
@@ -41,9 +44,24 @@ def load_spec(path: str | Path | None = None, overrides: Iterable[str] = ()) -> 
 
 def spec_from_dict(data: Mapping[str, Any], origin: str = "the spec") -> RunSpec:
     """Build a RunSpec from nested mappings, rejecting unknown keys and wrong types."""
+    data = _renamed(data, origin)
     check_tables(data, _SECTIONS, origin)
     return RunSpec(**{name: _build_section(name, _SECTIONS[name], values, origin)
                       for name, values in data.items()})
+
+
+def _renamed(data: Mapping[str, Any], origin: str) -> Mapping[str, Any]:
+    """`data` with every old section name read as its new one."""
+    if not any(old in data for old in RENAMED_SECTIONS):
+        return data
+    out = dict(data)
+    for old, new in RENAMED_SECTIONS.items():
+        if old in out:
+            if new in out:
+                raise SpecError(f"{origin} sets both [{old}] and [{new}]; [{old}] is the old name "
+                                f"of [{new}]. Move its keys into [{new}] and remove [{old}].")
+            out[new] = out.pop(old)
+    return out
 
 
 def check_tables(data: Mapping[str, Any], sections: Iterable[str], origin: str) -> None:

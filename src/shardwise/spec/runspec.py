@@ -598,17 +598,17 @@ class SampleSection:
 
 
 @dataclass(frozen=True)
-class PlanSection:
+class FitSection:
     """The will-it-fit check `shardwise train` runs before it starts a worker: the planner's
-    memory model (`shardwise.plan`) for this layout on this device."""
+    memory model (`shardwise.planner`) for this layout on this device."""
 
     strict: bool = False  # refuse to start (exit 2) when a rank is predicted not to fit; else warn
     device_memory_gib: float = 0.0  # memory per device to check against; 0: what the device has
 
     def validate(self) -> None:
-        _at_least("plan.device_memory_gib", self.device_memory_gib, 0.0)
+        _at_least("fit.device_memory_gib", self.device_memory_gib, 0.0)
         if self.device_memory_gib > 2**20:
-            raise SpecError(f"plan.device_memory_gib is {self.device_memory_gib}: that is more "
+            raise SpecError(f"fit.device_memory_gib is {self.device_memory_gib}: that is more "
                             "than a PiB per device; give GiB per device (0: what it has).")
 
 
@@ -630,7 +630,7 @@ class RunSpec:
     log: LogSection = field(default_factory=LogSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     sample: SampleSection = field(default_factory=SampleSection)
-    plan: PlanSection = field(default_factory=PlanSection)
+    fit: FitSection = field(default_factory=FitSection)
 
     def validate(self) -> RunSpec:
         for f in dataclasses.fields(self):

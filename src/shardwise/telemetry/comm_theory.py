@@ -1,6 +1,6 @@
 """Collective volumes, torch-free: the one ring-volume rule (what a rank sends per byte of the
 buffer) that the comm tap's `wire_bytes`, the layouts' theoretical minima below and the planner's
-alpha-beta costs (`plan/comm.py`) all use; and the minimum bytes a rank sends per step for the
+alpha-beta costs (`planner/comm.py`) all use; and the minimum bytes a rank sends per step for the
 layouts that have a textbook one.
 
 Ring (bandwidth-optimal) volumes, N ranks on the axis, Psi parameters, a micro-batches per rank

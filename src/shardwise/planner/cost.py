@@ -25,12 +25,12 @@ puts that layout, modelled as Meta ran it with v = 4 (v is not published), insid
 (0.65 would give 41.6 %). It is also physically plausible: a large bf16 GEMM reaches about
 70-75 % of the H100's dense peak and a block's elementwise kernels pull it lower. The gap:
 under shardwise's own memory (fp32 residual stream, eager SwiGLU saving four ffn-wide tensors,
-eager RMSNorm and grouped-query attention's repeated K/V: `plan/memory.py`) that layout needs
+eager RMSNorm and grouped-query attention's repeated K/V: `planner/memory.py`) that layout needs
 148 GiB per rank without recompute, so the feasible variant recomputes every block and is
 predicted at 31.0 %; and a single efficiency overstates small models (the built-in GPT on this
 CPU: predicted 10,240 tokens/s against 6,800-8,500 measured). Measured runs on the target
 cluster should replace it: `shardwise plan --calibrate RUN_DIR...` fits `efficiency` and
-`overlap` to their step times (`plan/calibrate.py`) and `--write-params` keeps the result.
+`overlap` to their step times (`planner/calibrate.py`) and `--write-params` keeps the result.
 
 Framework overhead (`overhead_counts`): time a rank spends in the framework rather than in the
 model's FLOPs or in a collective — FSDP2's hooks and all-gather copy-in/out per unit, DTensor's
@@ -49,7 +49,7 @@ even at these CPU-measured rates (hidden up to ~3.7 times them), which overstate
 host (2 shared cores here): its predicted MFU is unchanged (39.0 %). ZeRO-1's
 step is serial with its parameter all-gathers, so it adds to the step on either device.
 
-Memory is itemised in `plan/memory.py`; on a CPU cluster (`cpu-local`) the optimizer's
+Memory is itemised in `planner/memory.py`; on a CPU cluster (`cpu-local`) the optimizer's
 workspace, the host allocator's share (`cpu_fragmentation`) and the process's own runtime
 (`cpu_runtime_overhead_bytes`) replace the CUDA terms — all three measured on this machine's runs
 (tests/distributed/test_plan_measured.py), not taken from a GPU.
@@ -61,12 +61,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardwise.plan import comm
-from shardwise.plan.bubble import bubble_slots, flights, rank_groups
-from shardwise.plan.compute import kind_flops, model_flops_per_token, rank_flops
-from shardwise.plan.layout import Batch, Layout
-from shardwise.plan.memory import MemoryBreakdown, compute_bytes, rank_memory, rank_params
-from shardwise.plan.models import ModelDims, from_shape
+from shardwise.planner import comm
+from shardwise.planner.bubble import bubble_slots, flights, rank_groups
+from shardwise.planner.compute import kind_flops, model_flops_per_token, rank_flops
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.memory import MemoryBreakdown, compute_bytes, rank_memory, rank_params
+from shardwise.planner.models import ModelDims, from_shape
 from shardwise.spec.cluster import GIB, ClusterSpec
 
 
@@ -102,7 +102,7 @@ class CostParams:
     # backward (shardwise computes the loss on fp32 logits).
     logits_bytes: float = 10.0
     # The eager modules' extra saved tensors (RMSNorm's normalised input, GQA's repeated K/V, the
-    # output projection's copy of the attention output; `plan/memory.py`): measured on the
+    # output projection's copy of the attention output; `planner/memory.py`): measured on the
     # built-in GPT with saved-tensor hooks. False: the textbook count (Korthikanti et al.).
     eager_activations: bool = True
     # A CPU worker (`cpu-local`): what the process holds before its model exists (Python, torch
@@ -110,7 +110,7 @@ class CostParams:
     # machine (the memory event's rss_before_model_bytes_per_rank; bench_init: 322 MB); the host
     # allocator's resident share above what torch has allocated, and under ZeRO-1 / FSDP the
     # fp32 copies of the rank's whole model glibc keeps of their per-step transients
-    # (`plan/memory.py`; both measured on this machine's runs, tests/distributed/test_plan_measured.py).
+    # (`planner/memory.py`; both measured on this machine's runs, tests/distributed/test_plan_measured.py).
     cpu_runtime_overhead_bytes: float = 0.31 * GIB
     cpu_fragmentation: float = 0.05
     cpu_zero1_retained_copies: float = 1.0

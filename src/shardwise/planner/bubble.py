@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from shardwise.plan.models import ModelDims
+from shardwise.planner.models import ModelDims
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.plan.bubble import RankLoad
-from shardwise.plan.models import ModelDims
+from shardwise.planner.bubble import RankLoad
+from shardwise.planner.models import ModelDims
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from shardwise.plan.bubble import RankLoad
-from shardwise.plan.layout import Batch, Layout
-from shardwise.plan.models import ModelDims
+from shardwise.planner.bubble import RankLoad
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.models import ModelDims
 
 
 def compute_bytes(precision: str) -> int:
@@ -212,7 +212,7 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
 
 def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
                 inflight: float, params, device: str = "cuda") -> MemoryBreakdown:
-    """Peak bytes on one pipeline rank (`params`: a `shardwise.plan.cost.CostParams`) of a
+    """Peak bytes on one pipeline rank (`params`: a `shardwise.planner.cost.CostParams`) of a
     `device` ("cuda" or "cpu": the optimizer's workspace, the allocator's fragmentation and the
     runtime's overhead differ)."""
     lo = layout

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shardwise.plan.cost import Prediction
-from shardwise.plan.search import PlanResult
+from shardwise.planner.cost import Prediction
+from shardwise.planner.search import PlanResult
 from shardwise.spec.cluster import GIB
 from shardwise.spec.load import _toml_value, spec_from_dict, spec_to_toml
 from shardwise.spec.runspec import RunSpec

@@ -1,7 +1,7 @@
 """Will it fit: the planner's memory model for the layout a run is about to start, on the device it
 will start on — what `shardwise train` checks before any worker starts (`run.preflight.preflight`).
 
-The capacity per rank is `plan.device_memory_gib` when set; otherwise on a CPU this machine's RAM
+The capacity per rank is `fit.device_memory_gib` when set; otherwise on a CPU this machine's RAM
 shared evenly by the local workers (the `cpu-local` cluster's figure), and on a GPU the device's
 total memory when the launcher can read it without initialising CUDA (see
 `run.preflight.cuda_device_memory`); when it cannot, there is no check. The prediction is that of
@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.plan.cost import DEFAULT_PARAMS, CostParams, predict_memory
-from shardwise.plan.layout import Layout, batch_of, layout_of
-from shardwise.plan.memory import MemoryBreakdown
-from shardwise.plan.models import from_shape
+from shardwise.planner.cost import DEFAULT_PARAMS, CostParams, predict_memory
+from shardwise.planner.layout import Layout, batch_of, layout_of
+from shardwise.planner.memory import MemoryBreakdown
+from shardwise.planner.models import from_shape
 from shardwise.spec.cluster import GIB
 
 

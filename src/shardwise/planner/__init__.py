@@ -8,10 +8,10 @@ its validity), `memory`, `compute`, `comm`, `bubble` (terms of the cost), `cost`
 runs and the CostParams that fit them), `fit` (the will-it-fit check `shardwise train` runs).
 """
 
-from shardwise.plan.cost import CostParams, Prediction, predict, predict_memory
-from shardwise.plan.layout import Batch, Layout, layout_problem
-from shardwise.plan.models import ModelDims, from_hf_config, from_shape
-from shardwise.plan.search import PlanResult, SearchSpace, search, smallest_cluster
+from shardwise.planner.cost import CostParams, Prediction, predict, predict_memory
+from shardwise.planner.layout import Batch, Layout, layout_problem
+from shardwise.planner.models import ModelDims, from_hf_config, from_shape
+from shardwise.planner.search import PlanResult, SearchSpace, search, smallest_cluster
 
 __all__ = ["Batch", "CostParams", "Layout", "ModelDims", "PlanResult", "Prediction", "SearchSpace",
            "from_hf_config", "from_shape", "layout_problem", "predict", "predict_memory", "search",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.models import ModelDims
+from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import ClusterSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")

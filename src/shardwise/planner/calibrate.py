@@ -58,9 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, UserError
-from shardwise.plan.cost import OVERHEAD_FIELDS, CostParams, Prediction, predict
-from shardwise.plan.layout import Batch, Layout, batch_of, layout_of
-from shardwise.plan.models import ModelDims
+from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, Prediction, predict
+from shardwise.planner.layout import Batch, Layout, batch_of, layout_of
+from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import ClusterSpec
 from shardwise.spec.runspec import RunSpec
 

@@ -26,10 +26,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from shardwise.plan.cost import DEFAULT_PARAMS, CostParams, Prediction, predict, predict_memory
-from shardwise.plan.layout import RECOMPUTE, Batch, Layout
-from shardwise.plan.memory import state_lower_bound
-from shardwise.plan.models import ModelDims
+from shardwise.planner.cost import DEFAULT_PARAMS, CostParams, Prediction, predict, predict_memory
+from shardwise.planner.layout import RECOMPUTE, Batch, Layout
+from shardwise.planner.memory import state_lower_bound
+from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import GIB, ClusterSpec
 
 

@@ -262,7 +262,7 @@ def _deepseek_v3() -> ModelDims:
                      head_dim=160, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
                      shared_experts=1, expert_ffn=2048, dense_layers=3, attn_params=_MLA_PARAMS,
                      default_global_batch=15360,
-                     note="DeepSeek-V3-like (MLA approximated as MHA, see plan/models.py)")
+                     note="DeepSeek-V3-like (MLA approximated as MHA, see planner/models.py)")
 
 
 PRESETS = {
