@@ -119,7 +119,7 @@ def measure(store: Any, sections: dict[str, Any], init: str, vocab: int) -> dict
         start = time.perf_counter()
         acc = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch,
                                   ctx.dims.dp).accumulation
-        pm = parallelize(model, ctx, spec, acc, record=record)
+        pm = parallelize(model, ctx, spec.parallel, spec.memory, spec.run, acc, record=record)
         del model, record
         gc.collect()
         out["parallelize_s"] = time.perf_counter() - start

@@ -261,10 +261,11 @@ def compare_layouts(store: Any, layouts: list[str], run_dir: str) -> dict[str, l
             acc = BatchLayout.checked(8, 2, ctx.dims.dp).accumulation
             eager = build_model(spec.model, vocab, 32, spec.run.seed)
             want_full = {k: v.clone() for k, v in eager.state_dict().items()}
-            pm_eager = parallelize(eager, ctx, spec, acc)
+            pm_eager = parallelize(eager, ctx, spec.parallel, spec.memory, spec.run, acc)
             model, record = build_deferred(spec.model, vocab, 32, spec.run.seed)
             problems = [] if record.deferred else [f"not deferred: {record.fallback}"]
-            pm_meta = parallelize(model, ctx, spec, acc, record=record)
+            pm_meta = parallelize(model, ctx, spec.parallel, spec.memory, spec.run, acc,
+                                  record=record)
             for i, (pe, pmeta) in enumerate(zip(pm_eager.parts, pm_meta.parts, strict=True)):
                 got, want = tensors(unwrap(pmeta)), tensors(unwrap(pe))
                 if got.keys() != want.keys():

@@ -100,7 +100,7 @@ def test_hybrid_layout_through_the_cli(small_corpus, tmp_path):
     per-step losses, held-out loss and the exported final parameters equal the single-process
     run's (to the parity grid's tolerance); generation runs through the pipeline forward; and
     nothing but shardwise's own lines reaches the terminal (no library warnings)."""
-    from shardwise.checkpoint.export import load_exported
+    from shardwise.run.export import load_exported
     from tests.support.compare import assert_model_close
     from tests.support.workers import train_single
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.checkpoint.export import load_exported
+from shardwise.run.export import load_exported
 from shardwise.cli.main import main
 from tests.support.ranks import run_ranks
 from tests.support.specs import tiny_spec

@@ -393,7 +393,7 @@ def test_mlflow_sink_resumes_its_run_and_missing_mlflow_is_clear(tmp_path, monke
     monkeypatch.setitem(sys.modules, "mlflow", module)
     spec = RunSpec().replace("telemetry", mlflow=True)
     for _ in range(2):  # a second launch in the same run dir continues the same MLflow run
-        (sink,) = optional_sinks(spec, tmp_path)
+        (sink,) = optional_sinks(spec.telemetry, tmp_path, spec.run.name, spec.to_dict())
         sink.write(_ev("step", 3, 1.0, loss=2.5, lr=0.1, step_time_s_per_rank=[1.0]))
         sink.close()
     starts = [c["kwargs"]["run_id"] for c in _calls(log) if c["fn"] == "start_run"]
@@ -405,7 +405,7 @@ def test_mlflow_sink_resumes_its_run_and_missing_mlflow_is_clear(tmp_path, monke
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` sees when not installed
     with pytest.raises(UserError, match=r"pip install mlflow.*telemetry.mlflow=false"):
-        check_optional_sinks(spec)
+        check_optional_sinks(spec.telemetry)
 
 
 def test_prometheus_serves_latest_step_metrics(tmp_path, capsys):
@@ -414,7 +414,8 @@ def test_prometheus_serves_latest_step_metrics(tmp_path, capsys):
     from shardwise.telemetry.prometheus import PrometheusSink, start_prometheus
 
     port = _free_port()
-    (sink,) = optional_sinks(RunSpec().replace("telemetry", prometheus_port=port), tmp_path)
+    (sink,) = optional_sinks(RunSpec().replace("telemetry", prometheus_port=port).telemetry,
+                             tmp_path, "r", {})
     assert isinstance(sink, PrometheusSink) and (sink.host, sink.port) == ("127.0.0.1", port)
     url = f"http://127.0.0.1:{port}/metrics"
     try:

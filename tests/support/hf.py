@@ -14,7 +14,7 @@ def export_round_trip(run_dir: Path, spec, params: dict, out: Path) -> torch.nn.
     """`shardwise export --format hf` of the run's last checkpoint, loaded back by transformers:
     the trained parameters exactly, and the trained model's logits exactly. The loaded model."""
     from shardwise.checkpoint.discovery import checkpoint_at
-    from shardwise.checkpoint.export import consolidated
+    from shardwise.run.export import consolidated
 
     proc = shardwise("export", str(run_dir), "--format", "hf", "--out", str(out), cwd=out.parent)
     assert proc.returncode == 0, proc.stderr

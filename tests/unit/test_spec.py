@@ -546,12 +546,12 @@ def test_torch_floor_and_version_gated_features():
     assert torch_version("2.11.0+cu130") == (2, 11) and torch_version("2.13.0+cpu") == (2, 13)
     spec = RunSpec()
     with pytest.raises(SpecError, match=r"needs torch >= 2\.11"):
-        check_torch_supports(spec, "gloo", version=(2, 6))
+        check_torch_supports(spec.parallel, "gloo", version=(2, 6))
     zb = spec.replace("parallel", pp=2, pp_schedule="zero-bubble", pp_virtual_stages=2)
     with pytest.raises(SpecError, match=r"zero-bubble.*Pair is not connected"):
-        check_torch_supports(zb, "gloo", version=(2, 11))
-    check_torch_supports(zb, "nccl", version=(2, 11))
-    check_torch_supports(zb, "gloo", version=(2, 13))
+        check_torch_supports(zb.parallel, "gloo", version=(2, 11))
+    check_torch_supports(zb.parallel, "nccl", version=(2, 11))
+    check_torch_supports(zb.parallel, "gloo", version=(2, 13))
 
 
 def test_backend_must_fit_the_resolved_device():

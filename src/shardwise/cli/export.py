@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype and args.format != "hf":
         raise UserError("--dtype applies to --format hf only.")
     from shardwise.checkpoint.discovery import checkpoint_at
-    from shardwise.checkpoint.export import export_hf_dir, export_safetensors
+    from shardwise.run.export import export_hf_dir, export_safetensors
     from shardwise.run import rundir
 
     checkpoint = checkpoint_at(Path(args.checkpoint).expanduser())

@@ -1,4 +1,4 @@
-"""parallelize(model, ctx, spec): the ONE place where a layout is applied to a model.
+"""parallelize(model, ctx, parallel, memory, run): the ONE place where a layout is applied to a model.
 
 Order, and why it is fixed:
   1. pipeline split   — decides which layers this rank holds; everything after works per stage
@@ -39,30 +39,32 @@ from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_
 from shardwise.parallel.strategies import InvariantStep, PipelineStep, PlainStep, StepStrategy
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel
 from shardwise.parallel.tied import TiedAcrossStages
-from shardwise.spec.runspec import RunSpec
+from shardwise.spec.runspec import MemorySection, ParallelSection, RunSection
 
 __all__ = ["ParallelModel", "local_bytes", "parallelize", "unwrap"]
 
 
-def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
-                accumulation: int, record: InitRecord | None = None) -> ParallelModel:
+def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory: MemorySection,
+                run: RunSection, accumulation: int, record: InitRecord | None = None
+                ) -> ParallelModel:
     """Apply the layout of `ctx.dims` to `model` (built identically on every rank), reading
-    only the model's plan. With a deferred `record`, `model` is on the meta device and each
-    rank materialises only its own tensors, after sharding."""
-    dims, par = ctx.dims, spec.parallel
+    only the model's plan, the [parallel] and [memory] sections and the run's precision and
+    determinism. With a deferred `record`, `model` is on the meta device and each rank
+    materialises only its own tensors, after sharding."""
+    dims = ctx.dims
     plan = plan_of(model)
     deferred = record is not None and record.deferred
     if not deferred:
         model = model.to(ctx.device)
-    invariant = spec.run.determinism == "invariant"
+    invariant = run.determinism == "invariant"
     if ctx.mesh is None:
-        apply_activation_checkpointing(model, plan, spec.memory)
-        if spec.memory.compile:
+        apply_activation_checkpointing(model, plan, memory)
+        if memory.compile:
             apply_compile(model, plan)
         if deferred:
             assert record is not None  # deferred implies a record
             materialize([model], record, ctx.device)
-        return ParallelModel([model], ctx, spec.run.precision, plan, invariant=invariant,
+        return ParallelModel([model], ctx, run.precision, plan, invariant=invariant,
                              strategy=_step_strategy(invariant, pipeline=False))
 
     # 1. pipeline split
@@ -94,8 +96,8 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
             apply_expert_parallel(part, plan, expert_mesh, zero_over_edp=dims.zero >= 2)
     # 5. activation checkpointing, 6. compile
     for part in parts:
-        apply_activation_checkpointing(part, plan, spec.memory)
-        if spec.memory.compile:
+        apply_activation_checkpointing(part, plan, memory)
+        if memory.compile:
             apply_compile(part, plan)
     # tied tensors whose members sit on different stages: found before DDP renames parameters
     tied = TiedAcrossStages.build(parts, ids, n_stages, plan, ctx) if dims.pp > 1 else None
@@ -106,7 +108,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
                 else ctx.mesh["dp_shard"]
             if ctx.fsdp_cp_mesh is not None:  # cp ranks shard (and sum gradients) like dp ranks
                 dp_mesh = ctx.fsdp_cp_mesh
-            parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=spec.run.precision,
+            parts = [apply_fsdp(part, dp_mesh, zero=dims.zero, precision=run.precision,
                                 blocks=[b for _, b in blocks_of(part, plan)]) for part in parts]
             if deferred:  # fill the local shards FSDP2 laid out (on meta, no memory yet)
                 assert record is not None
@@ -126,7 +128,7 @@ def parallelize(model: nn.Module, ctx: DistContext, spec: RunSpec,
         materialize(parts, record, ctx.device)
     if tied is not None:
         tied.resolve(parts)  # FSDP replaced the parameters by sharded ones: look them up again
-    pm = ParallelModel(parts, ctx, spec.run.precision, plan, loss_parallel=loss_par,
+    pm = ParallelModel(parts, ctx, run.precision, plan, loss_parallel=loss_par,
                        sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule,
                        tied=tied if tied is not None and tied.groups else None, context=context,

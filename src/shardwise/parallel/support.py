@@ -14,7 +14,7 @@ import re
 import torch
 
 from shardwise.errors import SpecError
-from shardwise.spec.runspec import RunSpec
+from shardwise.spec.runspec import ParallelSection
 
 #: the lowest torch version shardwise is tested with (keep in step with pyproject.toml)
 TORCH_FLOOR = (2, 11)
@@ -25,9 +25,9 @@ def torch_version(text: str | None = None) -> tuple[int, int]:
     return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
-def check_torch_supports(spec: RunSpec, backend: str, version: tuple[int, int] | None = None
-                         ) -> None:
-    """Raise SpecError when this torch cannot run what `spec` asks for on `backend`."""
+def check_torch_supports(par: ParallelSection, backend: str,
+                         version: tuple[int, int] | None = None) -> None:
+    """Raise SpecError when this torch cannot run the layout `par` asks for on `backend`."""
     have = version or torch_version()
     if have < TORCH_FLOOR:
         raise SpecError(
@@ -35,7 +35,7 @@ def check_torch_supports(spec: RunSpec, backend: str, version: tuple[int, int] |
             f"{torch.__version__} is installed (pipeline schedules, FSDP2's custom reductions and "
             "DTensor APIs it relies on are missing or different before). Install a newer torch: "
             "pip install 'torch>=2.11,<2.14'.")
-    if spec.parallel.pp > 1 and spec.parallel.pp_schedule == "zero-bubble" \
+    if par.pp > 1 and par.pp_schedule == "zero-bubble" \
             and backend == "gloo" and have < (2, 13):
         raise SpecError(
             f"parallel.pp_schedule = \"zero-bubble\" over gloo fails on torch {torch.__version__} "

@@ -38,7 +38,7 @@ def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
 def export_hf_at_end(spec: RunSpec, run_dir: Path) -> None:
     """`checkpoint.hf_export`: the run's newest checkpoint as a from_pretrained directory."""
     from shardwise.checkpoint.discovery import checkpoint_at
-    from shardwise.checkpoint.export import export_hf_dir
+    from shardwise.run.export import export_hf_dir
 
     out = Path(spec.checkpoint.hf_export).expanduser()
     out = out if out.is_absolute() else run_dir / out

@@ -45,7 +45,7 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     spec = with_model_tokenizer(spec)
     user_hook_setups(spec.run.hooks)  # a missing hook file fails here, not in every worker
     device_type = resolve_device_type(spec.parallel)
-    check_torch_supports(spec, resolve_backend(spec.parallel, device_type))
+    check_torch_supports(spec.parallel, resolve_backend(spec.parallel, device_type))
     spec = spec.replace("parallel", nproc=resolve_nproc(spec.parallel, device_type))
     dims = ParallelDims.from_spec(spec.parallel, spec.parallel.nproc)
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, dims.dp)

@@ -75,7 +75,7 @@ class Trainer:
         """`patches`: the worker's runtime (`shardwise.run.worker`), through which the meta build
         and the comm tap change torch; without one each keeps a scope of its own."""
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
-        check_torch_supports(spec, resolve_backend(spec.parallel, ctx.device.type))
+        check_torch_supports(spec.parallel, resolve_backend(spec.parallel, ctx.device.type))
         torch.manual_seed(spec.run.seed)
         configure_kernels(spec.run.determinism, spec.run.tf32, ctx.device)
         if spec.run.determinism == "invariant":
@@ -140,7 +140,8 @@ class Trainer:
         plan = plan_of(model)
         check_layout(spec, ctx.dims, plan, self.layout.accumulation)
         self.num_params = plan.shape.params
-        self.model = parallelize(model, ctx, spec, self.layout.accumulation, record=init)
+        self.model = parallelize(model, ctx, spec.parallel, spec.memory, spec.run,
+                                 self.layout.accumulation, record=init)
         del model, init  # the record (RNG states, constants) is not needed after materialising
         self._load_pretrained()  # before the optimizers copy anything (ZeRO-1 master shards)
 

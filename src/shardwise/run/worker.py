@@ -101,7 +101,7 @@ def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:
 
 
 def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> EventLog:
-    check_optional_sinks(spec)
+    check_optional_sinks(spec.telemetry)
     sinks = []
     if ctx.is_main:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
@@ -109,7 +109,7 @@ def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> Even
             sinks.append(TensorBoardSink(run_dir / "tb"))
         if ui and spec.log.progress:
             sinks.append(ProgressSink(spec.run.stop_at or spec.run.steps, 0))
-        sinks.extend(optional_sinks(spec, run_dir))
+        sinks.extend(optional_sinks(spec.telemetry, run_dir, spec.run.name, spec.to_dict()))
     return EventLog(run_dir.name, ctx.rank, sinks)
 
 

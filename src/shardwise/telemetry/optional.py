@@ -7,22 +7,24 @@ message instead of rank 0 alone while the others wait for it at their first coll
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from shardwise.spec.runspec import RunSpec
+from shardwise.spec.runspec import TelemetrySection
 from shardwise.telemetry.events import Sink
 
 
-def check_optional_sinks(spec: RunSpec) -> None:
-    if spec.telemetry.mlflow:
+def check_optional_sinks(telemetry: TelemetrySection) -> None:
+    if telemetry.mlflow:
         from shardwise.telemetry.mlflow_sink import require_mlflow
 
         require_mlflow()
 
 
-def optional_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
-    """Rank 0's extra sinks, as the spec's `telemetry` section asks."""
+def optional_sinks(t: TelemetrySection, run_dir: Path, run_name: str,
+                   params: dict[str, Any]) -> list[Sink]:
+    """Rank 0's extra sinks, as the `telemetry` section asks; `params` (the whole spec as a
+    dict) is what MLflow records as the run's parameters."""
     sinks: list[Sink] = []
-    t = spec.telemetry
     if t.prometheus_port > 0:
         from shardwise.telemetry.prometheus import start_prometheus
 
@@ -32,5 +34,5 @@ def optional_sinks(spec: RunSpec, run_dir: Path) -> list[Sink]:
     if t.mlflow:
         from shardwise.telemetry.mlflow_sink import MlflowSink
 
-        sinks.append(MlflowSink(spec.to_dict(), run_dir, experiment=spec.run.name))
+        sinks.append(MlflowSink(params, run_dir, experiment=run_name))
     return sinks
