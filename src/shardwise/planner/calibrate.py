@@ -605,7 +605,7 @@ def validate_params(params: CostParams, origin: str = "the cost parameters") -> 
 
 
 def params_to_toml(params: CostParams, header: Sequence[str] = ()) -> str:
-    from shardwise.spec.load import _toml_value
+    from shardwise.spec.toml import toml_value as _toml_value
 
     lines = [f"# {line}" for line in header]
     lines.append(f"[{PARAMS_TABLE}]")
@@ -617,7 +617,9 @@ def params_to_toml(params: CostParams, header: Sequence[str] = ()) -> str:
 def load_params(path: str | Path) -> CostParams:
     """CostParams from a TOML file with one `[cost_params]` table (as `--write-params` writes it;
     keys left out keep their defaults)."""
-    from shardwise.spec.load import _build_section, _read_toml, _suggest
+    from shardwise.spec.toml import build_table as _build_section
+    from shardwise.spec.toml import read_toml as _read_toml
+    from shardwise.spec.toml import suggest as _suggest
 
     path = Path(path).expanduser()
     if not path.is_file():

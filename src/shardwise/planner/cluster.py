@@ -25,7 +25,7 @@ from shardwise.spec.cluster import (
     PeakSection,
     load_cluster,
 )
-from shardwise.spec.load import _suggest
+from shardwise.spec.toml import suggest as _suggest
 from shardwise.utils.files import cache_root
 
 NCCL_NVLINK_LAT_US = 3.4  # NCCL tuning.cc hwLat[NVLINK][Ring][Simple]

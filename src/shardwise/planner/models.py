@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, show
-from shardwise.spec.load import _suggest
+from shardwise.spec.toml import suggest as _suggest
 from shardwise.telemetry.flops import FlopCounts
 
 

@@ -8,8 +8,9 @@ from typing import Any
 from shardwise.planner.cost import Prediction
 from shardwise.planner.search import PlanResult
 from shardwise.spec.cluster import GIB
-from shardwise.spec.load import _toml_value, spec_from_dict, spec_to_toml
+from shardwise.spec.load import spec_from_dict, spec_to_toml
 from shardwise.spec.runspec import RunSpec
+from shardwise.spec.toml import toml_value as _toml_value
 
 JSON_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "v", "cp", "ep",
              "micro_batch", "recompute", "mem_per_rank_bytes", "step_time_s", "tokens_per_s", "mfu")

@@ -40,8 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, show
-from shardwise.spec.load import _build_section, _read_toml, _suggest, check_tables
-from shardwise.spec.runspec import _at_least, _choice, _positive
+from shardwise.spec.checks import at_least as _at_least
+from shardwise.spec.checks import choice as _choice
+from shardwise.spec.checks import positive as _positive
+from shardwise.spec.load import check_tables
+from shardwise.spec.toml import build_table as _build_section
+from shardwise.spec.toml import read_toml as _read_toml
+from shardwise.spec.toml import suggest as _suggest
 
 CLUSTER_DEVICES = ("cuda", "cpu")
 GIB = 2**30
@@ -219,7 +224,7 @@ def load_cluster(path: str | Path, presets: Mapping[str, ClusterSpec] | None = N
 
 def cluster_to_toml(spec: ClusterSpec) -> str:
     """The cluster as TOML that `load_cluster` reads back to an equal spec."""
-    from shardwise.spec.load import _toml_value
+    from shardwise.spec.toml import toml_value as _toml_value
 
     lines = []
     for section, values in spec.to_dict().items():

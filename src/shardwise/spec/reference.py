@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.spec import cluster, failure, runspec
-from shardwise.spec.load import _toml_value
+from shardwise.spec.toml import toml_value as _toml_value
 
 REGENERATE = "python -m shardwise.spec.reference > docs/runspec.md"
 CHECK = "python -m shardwise.spec.reference --check docs/runspec.md"
@@ -381,8 +381,8 @@ class _Source:
         return ""
 
     def checks(self, class_name: str) -> dict[str, str]:
-        """field -> accepted values, from the unconditional `_choice` / `_positive` /
-        `_at_least` calls of the class's `validate` and `_validate_*` methods."""
+        """field -> accepted values, from the unconditional `choice` / `positive` /
+        `at_least` calls (spec.checks) of the class's `validate` and `_validate_*` methods."""
         found: dict[str, list[str]] = {}
         for node in self.classes[class_name].body:
             if isinstance(node, ast.FunctionDef) and (node.name == "validate"
@@ -411,13 +411,14 @@ class _Source:
         field_name = _field_of(call.args[1], loop)
         if field_name is None:
             return
-        if call.func.id == "_positive":
+        check = call.func.id.lstrip("_")  # `positive` (spec.checks), or a module's own alias
+        if check == "positive":
             yield field_name, "> 0"
-        elif call.func.id == "_at_least" and len(call.args) >= 3:
+        elif check == "at_least" and len(call.args) >= 3:
             low = self._value(call.args[2])
             if isinstance(low, int | float):
                 yield field_name, f"≥ {low:g}"
-        elif call.func.id == "_choice" and len(call.args) >= 3:
+        elif check == "choice" and len(call.args) >= 3:
             choices = self._value(call.args[2])
             if isinstance(choices, tuple):
                 yield field_name, ", ".join(f"`{c}`" for c in choices)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.errors import SpecError, show
+from shardwise.spec.checks import at_least, choice, divisors, positive
 from shardwise.spec.failure import parse_faults, parse_signals
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -64,16 +64,16 @@ class RunSection:
                 raise SpecError(f"run.hooks entry {entry!r} is not a function reference. Write "
                                 "\"py:FILE.py:FUNCTION\", a function taking the Trainer that adds "
                                 "hooks with trainer.add_hook(fn, every=N).")
-        _at_least("run.seed", self.seed, 0)
-        _choice("run.determinism", self.determinism, DETERMINISM)
-        _positive("run.steps", self.steps)
-        _at_least("run.stop_at", self.stop_at, 0)
+        at_least("run.seed", self.seed, 0)
+        choice("run.determinism", self.determinism, DETERMINISM)
+        positive("run.steps", self.steps)
+        at_least("run.stop_at", self.stop_at, 0)
         if self.stop_at > self.steps:
             raise SpecError(
                 f"run.stop_at ({self.stop_at}) is after run.steps ({self.steps}): the run would "
                 f"never reach it. Set run.stop_at to at most {self.steps}, or 0 to run all steps."
             )
-        _choice("run.precision", self.precision, PRECISIONS)
+        choice("run.precision", self.precision, PRECISIONS)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class ModelSection:
     moe_capacity_factor: float = 1.25  # capacity = factor * tokens * top_k / experts
 
     def validate(self) -> None:
-        _choice("model.init", self.init, MODEL_INITS)
+        choice("model.init", self.init, MODEL_INITS)
         self._validate_moe()
         if self.family not in BUILTIN_FAMILIES or self.hf_config or self.hf_path \
                 or self.hf_tp_plan:
@@ -126,13 +126,13 @@ class ModelSection:
                 "\"py:FILE.py:FUNCTION\"); the built-in GPT is shaped by model.n_layers, "
                 "model.d_model, model.n_heads, ... Remove model.args, or change model.family.")
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads"):
-            _positive(f"model.{name}", getattr(self, name))
-        _at_least("model.ffn_hidden", self.ffn_hidden, 0)
+            positive(f"model.{name}", getattr(self, name))
+        at_least("model.ffn_hidden", self.ffn_hidden, 0)
         if self.d_model % self.n_heads:
             raise SpecError(
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads "
                 f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among "
-                f"{_divisors(self.d_model)} (the divisors of d_model)."
+                f"{divisors(self.d_model)} (the divisors of d_model)."
             )
         if (self.d_model // self.n_heads) % 2:
             raise SpecError(
@@ -144,11 +144,11 @@ class ModelSection:
             raise SpecError(
                 f"model.n_heads ({self.n_heads}) is not a multiple of model.n_kv_heads "
                 f"({self.n_kv_heads}); grouped-query attention shares each KV head among "
-                f"n_heads/n_kv_heads query heads. Choose n_kv_heads among {_divisors(self.n_heads)}."
+                f"n_heads/n_kv_heads query heads. Choose n_kv_heads among {divisors(self.n_heads)}."
             )
-        _positive("model.rope_theta", self.rope_theta)
-        _positive("model.norm_eps", self.norm_eps)
-        _positive("model.init_std", self.init_std)
+        positive("model.rope_theta", self.rope_theta)
+        positive("model.norm_eps", self.norm_eps)
+        positive("model.init_std", self.init_std)
 
     def _validate_moe(self) -> None:
         """The moe_* fields shape only the built-in "moe-gpt"; elsewhere they must keep their
@@ -163,18 +163,18 @@ class ModelSection:
                     f"model.family = {show(self.family)}. Set model.family = \"moe-gpt\", or "
                     f"remove {', '.join('model.' + n for n in changed)}.")
             return
-        _positive("model.moe_experts", self.moe_experts)
-        _positive("model.moe_top_k", self.moe_top_k)
+        positive("model.moe_experts", self.moe_experts)
+        positive("model.moe_top_k", self.moe_top_k)
         if self.moe_top_k > self.moe_experts:
             raise SpecError(
                 f"model.moe_top_k = {self.moe_top_k} routes each token to more experts than "
                 f"there are (model.moe_experts = {self.moe_experts}). Use moe_top_k <= "
                 f"{self.moe_experts}, or more experts.")
-        _at_least("model.moe_ffn_hidden", self.moe_ffn_hidden, 0)
-        _choice("model.moe_balance", self.moe_balance, MOE_BALANCE)
-        _at_least("model.moe_aux_coef", self.moe_aux_coef, 0)
-        _at_least("model.moe_bias_rate", self.moe_bias_rate, 0)
-        _choice("model.moe_routing", self.moe_routing, MOE_ROUTING)
+        at_least("model.moe_ffn_hidden", self.moe_ffn_hidden, 0)
+        choice("model.moe_balance", self.moe_balance, MOE_BALANCE)
+        at_least("model.moe_aux_coef", self.moe_aux_coef, 0)
+        at_least("model.moe_bias_rate", self.moe_bias_rate, 0)
+        choice("model.moe_routing", self.moe_routing, MOE_ROUTING)
         if self.moe_routing == "capacity" and not self.moe_capacity_factor > 0:
             raise SpecError(
                 f"model.moe_capacity_factor = {self.moe_capacity_factor}: with moe_routing = "
@@ -282,7 +282,7 @@ class DataSection:
             if not getattr(self, name).strip():
                 raise SpecError(f"data.{name} is empty. Set it to {what} (the default is "
                                 f"{default!r}).")
-        _positive("data.seq_len", self.seq_len)
+        positive("data.seq_len", self.seq_len)
         if self.vocab_size < 260:
             raise SpecError(
                 f"data.vocab_size ({self.vocab_size}) is below 260: a byte-level BPE needs the "
@@ -306,12 +306,12 @@ class BatchSection:
     micro_batch: int = 8
 
     def validate(self) -> None:
-        _positive("batch.global_batch", self.global_batch)
-        _positive("batch.micro_batch", self.micro_batch)
+        positive("batch.global_batch", self.global_batch)
+        positive("batch.micro_batch", self.micro_batch)
         if self.global_batch % self.micro_batch:
             raise SpecError(
                 f"batch.global_batch ({self.global_batch}) is not a multiple of batch.micro_batch "
-                f"({self.micro_batch}). Pick a micro_batch among {_divisors(self.global_batch)}."
+                f"({self.micro_batch}). Pick a micro_batch among {divisors(self.global_batch)}."
             )
 
 
@@ -332,24 +332,24 @@ class OptimizerSection:
     implementation: str = "auto"  # auto picks fused where the device has it, else foreach
 
     def validate(self) -> None:
-        _choice("optimizer.name", self.name, ("adamw",))
-        _positive("optimizer.lr", self.lr)
-        _at_least("optimizer.min_lr", self.min_lr, 0.0)
+        choice("optimizer.name", self.name, ("adamw",))
+        positive("optimizer.lr", self.lr)
+        at_least("optimizer.min_lr", self.min_lr, 0.0)
         if self.min_lr > self.lr:
             raise SpecError(
                 f"optimizer.min_lr ({self.min_lr}) is above optimizer.lr ({self.lr}); the cosine "
                 "schedule decays from lr down to min_lr. Set min_lr <= lr (10% of lr is common)."
             )
-        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
-        _choice("optimizer.schedule", self.schedule, SCHEDULES)
+        at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        choice("optimizer.schedule", self.schedule, SCHEDULES)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise SpecError(f"optimizer.{name} ({value}) must be in [0, 1); 0.9/0.95 are usual.")
-        _positive("optimizer.eps", self.eps)
-        _at_least("optimizer.weight_decay", self.weight_decay, 0.0)
-        _at_least("optimizer.grad_clip", self.grad_clip, 0.0)
-        _choice("optimizer.implementation", self.implementation, OPTIMIZER_IMPLS)
+        positive("optimizer.eps", self.eps)
+        at_least("optimizer.weight_decay", self.weight_decay, 0.0)
+        at_least("optimizer.grad_clip", self.grad_clip, 0.0)
+        choice("optimizer.implementation", self.implementation, OPTIMIZER_IMPLS)
 
 
 @dataclass(frozen=True)
@@ -389,24 +389,24 @@ class ParallelSection:
     timeout_s: float = 300.0  # collective timeout: a hang fails after this instead of forever
 
     def validate(self) -> None:
-        _positive("parallel.dp_replicate", self.dp_replicate)
+        positive("parallel.dp_replicate", self.dp_replicate)
         if self.dp_shard != -1:
-            _positive("parallel.dp_shard", self.dp_shard)
+            positive("parallel.dp_shard", self.dp_shard)
         for name in ("tp", "pp", "cp", "ep", "pp_virtual_stages"):
-            _positive(f"parallel.{name}", getattr(self, name))
+            positive(f"parallel.{name}", getattr(self, name))
         if self.zero not in (-1, 0, 1, 2, 3):
             raise SpecError(f"parallel.zero is {self.zero}; choose 0 (DDP), 1 (optimizer state "
                             "sharded), 2 (+ gradients), 3 (+ parameters), or -1 for automatic.")
-        _choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        _choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
+        choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
         if any(n < 1 for n in self.pp_layer_split):
             raise SpecError(
                 f"parallel.pp_layer_split = {list(self.pp_layer_split)} gives a stage no "
                 "blocks; every pipeline stage needs at least one. Move a block to it, or "
                 "leave pp_layer_split empty ([]) for the balanced split.")
-        _at_least("parallel.nproc", self.nproc, 0)
-        _choice("parallel.device", self.device, DEVICES)
-        _choice("parallel.backend", self.backend, BACKENDS)
+        at_least("parallel.nproc", self.nproc, 0)
+        choice("parallel.device", self.device, DEVICES)
+        choice("parallel.backend", self.backend, BACKENDS)
         if (self.device, self.backend) in (("cpu", "nccl"), ("cuda", "gloo")):
             raise SpecError(
                 f"parallel.backend = {show(self.backend)} with parallel.device = {show(self.device)}: "
@@ -415,7 +415,7 @@ class ParallelSection:
                    "gloo cannot run FSDP's and tensor parallel's collectives on CUDA tensors. Use "
                    "backend = \"nccl\" (or \"auto\") on GPUs, or device = \"cpu\" to train on "
                    "the CPU."))
-        _positive("parallel.timeout_s", self.timeout_s)
+        positive("parallel.timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -427,8 +427,8 @@ class MemorySection:
     compile: bool = False  # torch.compile per block (13-22 s cold compile on CPU: keep it off there)
 
     def validate(self) -> None:
-        _choice("memory.activation_checkpoint", self.activation_checkpoint, AC_MODES)
-        _positive("memory.ac_every", self.ac_every)
+        choice("memory.activation_checkpoint", self.activation_checkpoint, AC_MODES)
+        positive("memory.ac_every", self.ac_every)
 
 
 @dataclass(frozen=True)
@@ -441,12 +441,12 @@ class LossScaleSection:
     growth_interval: int = 200
 
     def validate(self) -> None:
-        _positive("loss_scale.init_scale", self.init_scale)
+        positive("loss_scale.init_scale", self.init_scale)
         if not self.growth_factor > 1.0:
             raise SpecError(f"loss_scale.growth_factor ({self.growth_factor}) must be above 1.")
         if not 0.0 < self.backoff_factor < 1.0:
             raise SpecError(f"loss_scale.backoff_factor ({self.backoff_factor}) must be in (0, 1).")
-        _positive("loss_scale.growth_interval", self.growth_interval)
+        positive("loss_scale.growth_interval", self.growth_interval)
 
 
 @dataclass(frozen=True)
@@ -475,15 +475,15 @@ class FailureSection:
     preempt_grace_s: float = 120.0
 
     def validate(self) -> None:
-        _at_least("failure.preempt_grace_s", self.preempt_grace_s, 1)
+        at_least("failure.preempt_grace_s", self.preempt_grace_s, 1)
         parse_signals(self.preempt_signals)
-        _at_least("failure.max_restarts", self.max_restarts, 0)
-        _at_least("failure.nan_patience", self.nan_patience, 0)
-        _at_least("failure.hang_timeout_s", self.hang_timeout_s, 0)
+        at_least("failure.max_restarts", self.max_restarts, 0)
+        at_least("failure.nan_patience", self.nan_patience, 0)
+        at_least("failure.hang_timeout_s", self.hang_timeout_s, 0)
         if not self.straggler_factor > 1.0:
             raise SpecError(f"failure.straggler_factor is {self.straggler_factor}; it must be "
                             "above 1 (a rank this many times slower than the median is named).")
-        _positive("failure.straggler_windows", self.straggler_windows)
+        positive("failure.straggler_windows", self.straggler_windows)
         parse_faults(self.faults)
 
 
@@ -495,8 +495,8 @@ class EvalSection:
     batches: int = 4
 
     def validate(self) -> None:
-        _at_least("eval.every", self.every, 0)
-        _positive("eval.batches", self.batches)
+        at_least("eval.every", self.every, 0)
+        positive("eval.batches", self.batches)
 
 
 @dataclass(frozen=True)
@@ -523,9 +523,9 @@ class CheckpointSection:
     hf_export: str = ""
 
     def validate(self) -> None:
-        _at_least("checkpoint.every", self.every, 0)
-        _at_least("checkpoint.keep_last", self.keep_last, 0)
-        _at_least("checkpoint.keep_every", self.keep_every, 0)
+        at_least("checkpoint.every", self.every, 0)
+        at_least("checkpoint.keep_last", self.keep_last, 0)
+        at_least("checkpoint.keep_every", self.keep_every, 0)
         scheme, sep, rest = self.uri.strip().partition("://")
         if sep and scheme not in ("s3", "file"):
             raise SpecError(f"checkpoint.uri = {show(self.uri)}: the scheme {show(scheme)} is not "
@@ -558,7 +558,7 @@ class LogSection:
     progress: bool = True  # the rich progress bar on rank 0 (plain lines when not a terminal)
 
     def validate(self) -> None:
-        _positive("log.every", self.every)
+        positive("log.every", self.every)
 
 
 @dataclass(frozen=True)
@@ -574,9 +574,9 @@ class TelemetrySection:
     mlflow: bool = False  # log params, metrics and artifacts to MLflow (needs mlflow installed)
 
     def validate(self) -> None:
-        _at_least("telemetry.peak_flops", self.peak_flops, 0)
-        _at_least("telemetry.trace_from", self.trace_from, 1)
-        _at_least("telemetry.trace_steps", self.trace_steps, 0)
+        at_least("telemetry.peak_flops", self.peak_flops, 0)
+        at_least("telemetry.trace_from", self.trace_from, 1)
+        at_least("telemetry.trace_steps", self.trace_steps, 0)
         if not 0 <= self.prometheus_port <= 65535:
             raise SpecError(f"telemetry.prometheus_port is {self.prometheus_port}; use 0 (off) "
                             "or a port number up to 65535.")
@@ -592,9 +592,9 @@ class SampleSection:
     top_k: int = 40
 
     def validate(self) -> None:
-        _at_least("sample.tokens", self.tokens, 0)
-        _positive("sample.temperature", self.temperature)
-        _at_least("sample.top_k", self.top_k, 0)
+        at_least("sample.tokens", self.tokens, 0)
+        positive("sample.temperature", self.temperature)
+        at_least("sample.top_k", self.top_k, 0)
 
 
 @dataclass(frozen=True)
@@ -606,7 +606,7 @@ class FitSection:
     device_memory_gib: float = 0.0  # memory per device to check against; 0: what the device has
 
     def validate(self) -> None:
-        _at_least("fit.device_memory_gib", self.device_memory_gib, 0.0)
+        at_least("fit.device_memory_gib", self.device_memory_gib, 0.0)
         if self.device_memory_gib > 2**20:
             raise SpecError(f"fit.device_memory_gib is {self.device_memory_gib}: that is more "
                             "than a PiB per device; give GiB per device (0: what it has).")
@@ -683,31 +683,3 @@ def _check_run_name(name: str) -> None:
         "plain name such as \"shakespeare-gpt\"; to train somewhere else, set run.dir to the run "
         "directory itself."
     )
-
-
-def _divisors(n: int) -> str:
-    """The divisors of `n` for a message, as "[1, 2, 4]": found up to sqrt(n) (an int64 field
-    would take hours by trial of every number), abridged when there are many, and not listed at
-    all for a number no sane batch or width reaches."""
-    if n > 10**12:
-        return f"the divisors of {n}"
-    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    found = low + [n // d for d in reversed(low) if d * d != n]
-    if len(found) > 16:
-        return "[" + ", ".join(map(str, found[:8])) + ", ..., " + ", ".join(map(str, found[-4:])) + "]"
-    return str(found)
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise SpecError(f"{name} is {value}; it must be greater than 0.")
-
-
-def _at_least(name: str, value: float, low: float) -> None:
-    if not value >= low:  # also rejects NaN
-        raise SpecError(f"{name} is {value}; it must be at least {low}.")
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise SpecError(f"{name} is {show(value)}; choose one of {', '.join(map(repr, choices))}.")
