@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype and args.format != "hf":
         raise UserError("--dtype applies to --format hf only.")
     from shardwise.checkpoint.discovery import checkpoint_at
-    from shardwise.run.export import export_hf_dir, export_safetensors
     from shardwise.run import rundir
+    from shardwise.run.export import export_hf_dir, export_safetensors
 
     checkpoint = checkpoint_at(Path(args.checkpoint).expanduser())
     out = Path(args.out).expanduser() if args.out else \
