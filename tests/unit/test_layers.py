@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 #: shardwise/__init__.py, which reaches shardwise.api lazily)
 LAYERS: list[set[str]] = [
     {"cli", "__main__"},
-    {"verify", "cluster"},
+    {"verify", "cluster", "study"},
     {"", "api"},
     {"run"},
     {"checkpoint"},
@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"data"},
     {"resilience"},
-    {"planner", "report"},
+    {"planner", "report", "compare"},
     {"telemetry"},
     {"spec"},
     {"errors", "meta", "compat", "utils"},

@@ -16,7 +16,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch whose results do not change with the layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from shardwise.cli import export, inspect, launch, plan, report, status, train, verify
+    from shardwise.cli import (
+        audit,
+        compare,
+        export,
+        inspect,
+        launch,
+        plan,
+        report,
+        scale,
+        status,
+        train,
+        verify,
+    )
 
     train.add_parser(sub)
     plan.add_parser(sub)
@@ -26,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
     launch.add_parser(sub)
     status.add_parser(sub)
+    compare.add_parser(sub)
+    scale.add_parser(sub)
+    audit.add_parser(sub)
     return parser
 
 

@@ -11,7 +11,7 @@ from shardwise.meta import __version__
 from shardwise.report.load import Run
 from shardwise.report.plots import Plot
 
-_STYLE = """
+STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1040px; color: #222; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; margin-top: 1.6em; }
 .meta, .caption, .omitted { color: #555; font-size: 0.9em; }
@@ -24,13 +24,16 @@ figure { margin: 0.6em 0 1.2em 0; } img { max-width: 100%; height: auto; border:
 
 
 def render(runs: list[Run], rows: list[tuple[str, list[str]]], compare: list[Plot],
-           per_run: list[tuple[Run, list[Plot]]]) -> str:
+           per_run: list[tuple[Run, list[Plot]]], sections: tuple[str, ...] = (),
+           style: str = "") -> str:
+    """`sections`: HTML placed after the summary table (the controlled comparison of several
+    runs); `style`: CSS they need."""
     names = ", ".join(r.name for r in runs)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>shardwise report: {escape(names)}</title>",
-        f"<style>{_STYLE}</style></head><body>",
+        f"<style>{STYLE}{style}</style></head><body>",
         f"<h1>shardwise report: {escape(names)}</h1>",
         f'<p class="meta">made by shardwise {escape(__version__)} on '
         f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')} from "
@@ -42,12 +45,13 @@ def render(runs: list[Run], rows: list[tuple[str, list[str]]], compare: list[Plo
             prefix = f"{run.name}: " if len(runs) > 1 else ""
             parts.append(f'<p class="note">{escape(prefix + note)}</p>')
     parts.append(_table(rows))
+    parts.extend(sections)
     parts.append("<h2>Comparison</h2>" if len(runs) > 1 else "")
-    parts.extend(_plot(p) for p in compare)
+    parts.extend(plot_html(p) for p in compare)
     for run, plots in per_run:
         if len(runs) > 1:
             parts.append(f'<h2 id="run-{escape(run.name)}">Run {escape(run.name)}</h2>')
-        parts.extend(_plot(p, prefix=f"{run.name}-" if len(runs) > 1 else "") for p in plots)
+        parts.extend(plot_html(p, prefix=f"{run.name}-" if len(runs) > 1 else "") for p in plots)
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p)
 
@@ -62,7 +66,7 @@ def _table(rows: list[tuple[str, list[str]]]) -> str:
     return "\n".join(out)
 
 
-def _plot(plot: Plot, prefix: str = "") -> str:
+def plot_html(plot: Plot, prefix: str = "") -> str:
     anchor = f"plot-{prefix}{plot.id}"
     head = f"<h2>{escape(plot.title)}</h2>" if not prefix else f"<h3>{escape(plot.title)}</h3>"
     if plot.png is None:

@@ -28,6 +28,7 @@ from shardwise.resilience.watchdog import Watchdog
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
 from shardwise.telemetry.comm import CommTap, OpTotals, StepComm, axes_of
+from shardwise.telemetry.energy import EnergyMeter, energy_fields
 from shardwise.telemetry.straggler import StragglerDetector
 from shardwise.telemetry.trace import StepTrace
 
@@ -81,6 +82,9 @@ class Monitors:
             self.tap.on_span = self.trace.collective
         self.stragglers = StragglerDetector(spec.failure.straggler_factor,
                                             spec.failure.straggler_windows)
+        # this rank's GPU and (first local rank) host energy counters; read at each log step
+        self.energy = EnergyMeter.for_rank(ctx.device.type, ctx.device.index, ctx.local_rank)
+        self._energy_said = False
         self.window: list[StepSample] = []
         self.productive_s = 0.0  # time inside training steps, for goodput
         self.started = time.time()
@@ -91,6 +95,7 @@ class Monitors:
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        self.energy.start()
         if self.watchdog is not None:
             self.watchdog.start()
 
@@ -148,7 +153,7 @@ class Monitors:
         wire = sum(s.comm.wire_bytes for s in window) / len(window)
         comm_time = sum(s.comm.time_s for s in window) / len(window)
         local = [statistics.median(times), *_percentiles(times), compute, comm_bytes, comm_time,
-                 statistics.mean(s.data_wait_s for s in window)]
+                 statistics.mean(s.data_wait_s for s in window), *self.energy.take()]
         rows = gather(local)  # one row per rank
         cols = list(zip(*rows, strict=True))
         fields: dict[str, Any] = {
@@ -159,7 +164,9 @@ class Monitors:
             "step_time_p99_s_per_rank": _r(cols[3]),
             "compute_s_per_rank": _r(cols[4]),
             "data_wait_s": round(max(cols[7]), 6),
+            **energy_fields(list(cols[8]), list(cols[9]), cols[10][0]),
         }
+        self._say_energy(step, fields)
         if self.tap is not None:
             by_op: dict[str, OpTotals] = {}
             for sample in window:
@@ -183,6 +190,14 @@ class Monitors:
                              compute_s=round(s.compute_s, 6), median_s=round(s.median_s, 6),
                              message=s.describe())
         return fields
+
+    def _say_energy(self, step: int, fields: dict[str, Any]) -> None:
+        """Once per launch, rank 0 says what energy is measured, or why none is."""
+        if self._energy_said or not self.ctx.is_main:
+            return
+        self._energy_said = True
+        self.events.emit("energy", step, source=fields.get("energy_source"),
+                         note="; ".join(self.energy.notes) or None)
 
     def _take_window(self) -> list[StepSample]:
         """The window's steps whose device timings have resolved; the others wait for the next
