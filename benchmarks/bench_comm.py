@@ -235,8 +235,8 @@ def theory(config: str, spec: RunSpec, params: int, accumulation: int, world: in
     if config == "zero3":
         return ((2 * a + 1) * (n - 1) / n * params * 4,
                 f"(2a+1)(N-1)/N·Ψ·4 = {2 * a + 1}·{n - 1}/{n}·{params:,}·4")
-    b, s, h, layers = spec.batch.micro_batch, spec.data.seq_len, spec.model.d_model, \
-        spec.model.n_layers
+    b, s, h, layers = spec.batch.micro_batch, spec.data.seq_len, spec.model.fields.d_model, \
+        spec.model.fields.n_layers
     return (a * (8 * layers + 4) * (n - 1) / n * b * s * h * 4,
             f"a(8L+4)(N-1)/N·bsh·4 = {a}·{8 * layers + 4}·{n - 1}/{n}·{b}·{s}·{h}·4")
 
@@ -247,7 +247,7 @@ def category(config: str, call: dict[str, Any], spec: RunSpec) -> tuple[str, boo
     if phase == "after":
         if call["dtype"] == "float64":
             return "loss all-reduce (StepLog.resolve, log steps only)", False
-        if config.startswith("tp") and kind == "all_reduce" and call["numel"] == spec.model.d_model:
+        if config.startswith("tp") and kind == "all_reduce" and call["numel"] == spec.model.fields.d_model:
             return "SP norm-weight grads (Partial, reduced once per step)", False
         return "grad-norm reduction (global_grad_norm)", False
     if kind == "broadcast":
@@ -261,7 +261,7 @@ def category(config: str, call: dict[str, Any], spec: RunSpec) -> tuple[str, boo
         if kind == "reduce_scatter":
             return "gradient reduce-scatter", True
     else:
-        bsh = spec.batch.micro_batch * spec.data.seq_len * spec.model.d_model
+        bsh = spec.batch.micro_batch * spec.data.seq_len * spec.model.fields.d_model
         if call["numel"] == bsh and kind in ("all_reduce", "all_gather", "reduce_scatter"):
             return f"activations {kind} ({phase})", True
         if kind in ("all_reduce", "all_gather") and \

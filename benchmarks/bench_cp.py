@@ -58,7 +58,7 @@ def _saved_bytes(fn) -> tuple[Any, int]:
 
 
 def _measure(args: argparse.Namespace, cp: int, rank: int, group: Any) -> dict[str, Any]:
-    model = build_model(ModelSection(n_layers=args.layers, d_model=args.d_model,
+    model = build_model(ModelSection.of(n_layers=args.layers, d_model=args.d_model,
                                      n_heads=args.heads, n_kv_heads=args.kv_heads),
                         vocab_size=args.vocab, seq_len=args.seq_len, seed=0)
     plan = plan_of(model)

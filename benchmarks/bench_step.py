@@ -467,7 +467,7 @@ def config_notes(configs: list[str], specs: dict[str, RunSpec], data: PreparedDa
                                                spec.run.seed))
             changes = ", ".join(f"model.{k}={str(v).lower()}" for k, v in model.items()) \
                 if model.get("family") != "hf" else \
-                f"transformers Llama {json.dumps(spec.model.hf_config)}"
+                f"transformers Llama {json.dumps(spec.model.fields.hf_config)}"
             notes.append(f"{config}: {changes} ({params / 1e6:.2f} M params)")
     return notes
 

@@ -53,7 +53,7 @@ def train(spec: RunSpec | str | Path | None = None, *, model: Callable[..., Any]
         resolved = load_spec(spec, overrides)
     if model is not None:
         resolved = resolved.replace("model", family=family_of(model, "model"),
-                                    args=dict(model_args or resolved.model.args))
+                                    args=dict(model_args or resolved.model.args))  # a builder
     elif model_args is not None:
         resolved = resolved.replace("model", args=dict(model_args))
     if data is not None:

@@ -32,7 +32,7 @@ def test_ddp_world2_bytes_equal_the_analytic_count(small_corpus, tmp_path):
     # unique parameters (the tied embedding / output weight once)
     params = results[0]["params"]
     unique = sum(v.numel() for k, v in params.items() if k != "output.weight") \
-        if spec.model.tie_embeddings else sum(v.numel() for v in params.values())
+        if spec.model.fields.tie_embeddings else sum(v.numel() for v in params.values())
     for event in _steps(tmp_path / "run"):
         by_op = event["comm_by_op"]
         assert list(by_op) == ["all_reduce:dp_replicate"], by_op

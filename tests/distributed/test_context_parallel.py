@@ -31,7 +31,7 @@ from shardwise.parallel.context import (
     zigzag_unshard,
 )
 from shardwise.parallel.dims import ParallelDims
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 from shardwise.verify.layouts import parse_layout
 from tests.support.compare import assert_model_close, assert_ranks_match_reference
 from tests.support.ranks import run_ranks
@@ -219,7 +219,7 @@ def test_true_positions_give_the_rotary_angles_of_those_tokens():
     """Positions 0..T-1 are bit-identical to none (the path without context parallel); a chunk
     run alone at positions 4..7 uses the tables' rows 4..7, and since rotary attention sees only
     relative positions it gives what the same tokens give at 0..3, up to rounding."""
-    model = build_model(ModelSection(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2),
+    model = build_model(ModelSection.of(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2),
                         vocab_size=64, seq_len=16, seed=0)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

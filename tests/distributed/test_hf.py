@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from shardwise.models.plan import plan_of  # noqa: E402
 from shardwise.models.registry import build_model  # noqa: E402
 from shardwise.spec import spec_from_dict, spec_to_toml  # noqa: E402
-from shardwise.spec.runspec import ModelSection  # noqa: E402
+from shardwise.spec.model import ModelSection  # noqa: E402
 from tests.support.cli import shardwise  # noqa: E402
 from tests.support.hf import export_round_trip  # noqa: E402
 from tests.support.ranks import run_ranks  # noqa: E402
@@ -60,7 +60,7 @@ def hf_spec(corpus, run_dir, name: str, **sections):
 def test_forward_is_bitwise_hf(name):
     """At world 1 the adapter runs HF's own modules op for op: logits bitwise equal to HF's
     forward of the same model."""
-    model = build_model(ModelSection(family="hf", hf_config=CONFIGS[name]), 128, 32, seed=3)
+    model = build_model(ModelSection.of(family="hf", hf_config=CONFIGS[name]), 128, 32, seed=3)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     ours = model(tokens)
     theirs = model.to_hf()(input_ids=tokens).logits
@@ -76,7 +76,7 @@ def test_meta_build_replays_the_eager_init(name):
     from shardwise.models.deferred import materialize
     from shardwise.models.registry import build_deferred
 
-    section = ModelSection(family="hf", hf_config=CONFIGS[name])
+    section = ModelSection.of(family="hf", hf_config=CONFIGS[name])
     eager = build_model(section, 128, 32, seed=5)
     model, record = build_deferred(section, 128, 32, seed=5)
     assert record.deferred and not record.fallback
@@ -86,7 +86,7 @@ def test_meta_build_replays_the_eager_init(name):
 
 
 def test_plan_from_hf_metadata():
-    qwen = plan_of(build_model(ModelSection(family="hf", hf_config=CONFIGS["qwen3"]), 128, 32,
+    qwen = plan_of(build_model(ModelSection.of(family="hf", hf_config=CONFIGS["qwen3"]), 128, 32,
                                seed=0, device="meta"))
     assert qwen.blocks == "model.layers" and qwen.n_blocks == 2
     assert qwen.tp["model.layers.*.self_attn.q_norm"] == "replicated"
@@ -95,7 +95,7 @@ def test_plan_from_hf_metadata():
     assert qwen.tp["model.layers.*.input_layernorm"] == "sequence"
     assert qwen.stages.first == ("model.embed_tokens",)
     assert qwen.stages.last == ("model.norm", "lm_head")
-    gpt2 = plan_of(build_model(ModelSection(family="hf", hf_config=CONFIGS["gpt2"]), 128, 32,
+    gpt2 = plan_of(build_model(ModelSection.of(family="hf", hf_config=CONFIGS["gpt2"]), 128, 32,
                                seed=0, device="meta"))
     assert not gpt2.supports_tp and gpt2.supports_pp  # Conv1D: no TP plan declared
     assert gpt2.stages.first == ("transformer.wte", "transformer.wpe")

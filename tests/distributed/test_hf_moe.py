@@ -20,7 +20,7 @@ from shardwise.models.aux_loss import aux_loss_scale  # noqa: E402
 from shardwise.models.plan import TP_STYLES, plan_of  # noqa: E402
 from shardwise.models.registry import build_model  # noqa: E402
 from shardwise.spec import spec_from_dict, spec_to_toml  # noqa: E402
-from shardwise.spec.runspec import ModelSection  # noqa: E402
+from shardwise.spec.model import ModelSection  # noqa: E402
 from tests.support.cli import shardwise  # noqa: E402
 from tests.support.compare import assert_params_close  # noqa: E402
 from tests.support.hf import export_round_trip  # noqa: E402
@@ -38,7 +38,7 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 
 
 
 def _section(**config) -> ModelSection:
-    return ModelSection(family="hf", hf_config={**QWEN3_MOE, **config})
+    return ModelSection.of(family="hf", hf_config={**QWEN3_MOE, **config})
 
 
 def _raw_hf(model) -> torch.nn.Module:
@@ -78,7 +78,7 @@ def test_mixtral_is_adapted_too():
     config = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 16,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
-    model = build_model(ModelSection(family="hf", hf_config=config), 128, 32, seed=3)
+    model = build_model(ModelSection.of(family="hf", hf_config=config), 128, 32, seed=3)
     assert plan_of(model).experts == "model.layers.*.mlp.experts"
     tokens = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -22,14 +22,15 @@ from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.execution import ParallelModel
 from shardwise.parallel.parallelize import apply_ddp
 from shardwise.run.step import real_targets
-from shardwise.spec.runspec import ModelSection, ParallelSection
+from shardwise.spec.model import ModelSection
+from shardwise.spec.runspec import ParallelSection
 from tests.support.ranks import run_ranks
 
 VOCAB, SEQ = 64, 16
 
 
 def _model() -> torch.nn.Module:
-    return build_model(ModelSection(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
+    return build_model(ModelSection.of(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
                                     ffn_hidden=64), VOCAB, SEQ, seed=3)
 
 

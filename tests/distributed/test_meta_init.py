@@ -31,7 +31,7 @@ from shardwise.errors import SpecError, UserError
 from shardwise.models.deferred import materialize, record_build
 from shardwise.models.registry import build_deferred, build_model
 from shardwise.spec import spec_from_dict
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 from tests.support.ranks import run_ranks
 from tests.support.specs import ASSETS, ROOT, tiny_spec
 from tests.support.workers import train_single
@@ -42,12 +42,12 @@ ODD = str(ASSETS / "models" / "odd_init.py")
 CUSTOM_ARGS = tomllib.loads((ROOT / "examples" / "custom_lm.toml").read_text())["model"]["args"]
 GPT = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128}
 MODELS = {
-    "gpt-tied": ModelSection(**GPT),
-    "gpt-untied": ModelSection(**GPT, tie_embeddings=False),
-    "custom-lm": ModelSection(family=CUSTOM, args=CUSTOM_ARGS),
-    "custom-lm-untied": ModelSection(family=CUSTOM, args={**CUSTOM_ARGS, "tied": False}),
-    "bag": ModelSection(family=BAG, args={"width": 48}),
-    "odd": ModelSection(family=f"py:{ODD}:build", args={"width": 16}),
+    "gpt-tied": ModelSection.of(**GPT),
+    "gpt-untied": ModelSection.of(**GPT, tie_embeddings=False),
+    "custom-lm": ModelSection.of(family=CUSTOM, args=CUSTOM_ARGS),
+    "custom-lm-untied": ModelSection.of(family=CUSTOM, args={**CUSTOM_ARGS, "tied": False}),
+    "bag": ModelSection.of(family=BAG, args={"width": 48}),
+    "odd": ModelSection.of(family=f"py:{ODD}:build", args={"width": 16}),
 }
 
 
@@ -113,7 +113,7 @@ def test_the_generator_advances_as_in_the_eager_build():
     ("build_tensor_attribute", "keeps the tensor plain"),
 ])
 def test_what_cannot_be_recorded_is_built_eagerly_and_says_why(builder, reason):
-    section = ModelSection(family=f"py:{ODD}:{builder}", args={"width": 16})
+    section = ModelSection.of(family=f"py:{ODD}:{builder}", args={"width": 16})
     model, record = build_deferred(section, 37, 8, seed=5)
     assert not record.deferred and reason in record.fallback
     assert all(t.device.type == "cpu" for t in tensors(model).values())
@@ -158,7 +158,7 @@ def test_start_up_memory_is_one_tensor_beyond_what_the_rank_keeps():
 
 
 def test_model_init_eager_builds_eagerly_and_is_checked():
-    model, record = build_deferred(ModelSection(**GPT, init="eager"), 512, 32, seed=1)
+    model, record = build_deferred(ModelSection.of(**GPT, init="eager"), 512, 32, seed=1)
     assert not record.deferred and record.fallback == ""
     assert next(model.parameters()).device.type == "cpu"
     with pytest.raises(SpecError, match=r"model.init is 'lazy'; choose one of 'meta', 'eager'"):
@@ -167,7 +167,7 @@ def test_model_init_eager_builds_eagerly_and_is_checked():
 
 def test_a_builder_error_is_the_builders_not_a_fallback():
     """The meta build fails, the eager build then fails the same way: its error is raised."""
-    section = ModelSection(family=f"py:{ODD}:build", args={"width": "wide"})
+    section = ModelSection.of(family=f"py:{ODD}:build", args={"width": "wide"})
     with pytest.raises(UserError, match=r"the builder failed with TypeError.*'wide'"):
         build_deferred(section, 37, 8, seed=5)
 
@@ -220,16 +220,16 @@ DEFAULT_WORLD2 = ["zero3-2", "zero3-2-gpt", "tp2", "pp2-1f1b", "ddp2", "zero1-2"
                   "ddp2-invariant-ac"]
 GRID_WORLD2 = ["zero2-2", "tp2+sp", "pp2-interleaved", "pp2-zero-bubble"]
 GRID_WORLD4 = ["zero3-4", "hsdp-2x2", "pp2xzero3-2", "tp2xpp2"]
-WORKER_MODELS = {**MODELS, "gpt-tied": ModelSection(**{**GPT, "n_layers": 4}),
-                 "gpt-untied": ModelSection(**{**GPT, "n_layers": 4}, tie_embeddings=False),
-                 "bag-narrow": ModelSection(family=BAG, args={"width": 3})}  # empty shards at 4
+WORKER_MODELS = {**MODELS, "gpt-tied": ModelSection.of(**{**GPT, "n_layers": 4}),
+                 "gpt-untied": ModelSection.of(**{**GPT, "n_layers": 4}, tie_embeddings=False),
+                 "bag-narrow": ModelSection.of(family=BAG, args={"width": 3})}  # empty shards at 4
 
 
 def _layout_spec(layout: str, run_dir: str):
     world, parallel, model, *other = LAYOUTS[layout]
     sections: dict[str, dict] = {
         "run": {"name": "meta", "dir": run_dir, "seed": 7},
-        "model": dict(vars(WORKER_MODELS[model])),
+        "model": WORKER_MODELS[model].table(),
         "batch": {"global_batch": 8, "micro_batch": 2},
         "parallel": {**parallel, "nproc": world, "timeout_s": 60},
     }

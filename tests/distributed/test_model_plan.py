@@ -26,7 +26,7 @@ from shardwise.models.plan import ModelPlan, ModelShape, PlanError, plan_of
 from shardwise.models.registry import describe_model
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.dims import ParallelDims
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 from tests.support.compare import assert_model_close
 from tests.support.ranks import run_ranks
 from tests.support.specs import ASSETS, grid, tiny_spec
@@ -127,7 +127,7 @@ def test_a_model_without_a_plan_is_data_parallel_only(small_corpus, tmp_path):
 
 
 def test_the_built_in_gpt_declares_its_plan_and_parallel_names_none_of_its_modules():
-    model = build_model(ModelSection(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2),
+    model = build_model(ModelSection.of(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2),
                         vocab_size=64, seq_len=8, seed=0)
     plan = plan_of(model)
     assert plan.blocks == "layers" and plan.n_blocks == 3
@@ -141,7 +141,7 @@ def test_the_built_in_gpt_declares_its_plan_and_parallel_names_none_of_its_modul
 
 
 def test_meta_build_gives_the_plan_without_memory():
-    plan = describe_model(ModelSection(family=TINY, args={"width": 32, "depth": 3}), 64, 8)
+    plan = describe_model(ModelSection.of(family=TINY, args={"width": 32, "depth": 3}), 64, 8)
     assert plan.n_blocks == 3 and plan.supports_tp and plan.supports_pp
     assert plan.shape.params > 0
 
@@ -155,11 +155,11 @@ def test_plan_errors_name_what_to_change(tmp_path):
         "    m = nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size))\n"
         "    return m, ModelPlan(shape=ModelShape(params=1), tp={'9': 'colwise'})\n")
     with pytest.raises(UserError, match="match no module"):
-        describe_model(ModelSection(family=f"py:{bad}:build"), 64, 8)
+        describe_model(ModelSection.of(family=f"py:{bad}:build"), 64, 8)
     with pytest.raises(UserError, match="does not exist"):
-        describe_model(ModelSection(family=f"py:{tmp_path / 'missing.py'}:build"), 64, 8)
+        describe_model(ModelSection.of(family=f"py:{tmp_path / 'missing.py'}:build"), 64, 8)
     with pytest.raises(UserError, match="defines no function"):
-        describe_model(ModelSection(family=f"py:{bad}:nope"), 64, 8)
+        describe_model(ModelSection.of(family=f"py:{bad}:nope"), 64, 8)
     with pytest.raises(PlanError, match="unknown style"):
         ModelPlan(shape=ModelShape(params=1), tp={"x": "diagonal"})
 

@@ -29,7 +29,7 @@ from shardwise.parallel.tensor_parallel import (
     apply_tensor_parallel,
     vocab_parallel_loss_sum,
 )
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 from tests.support.ranks import run_ranks
 from tests.support.specs import tiny_spec
 from tests.support.workers import train, train_single
@@ -77,7 +77,7 @@ def _placements_rank(store: Any, sequence_parallel: bool) -> dict[str, Any]:
     """Placements after apply_tensor_parallel, and the parameters after a forward that raised."""
     _rank, mesh = _join(store)
     try:
-        model = build_model(ModelSection(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
+        model = build_model(ModelSection.of(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
                                          ffn_hidden=64, tie_embeddings=False),
                             vocab_size=64, seq_len=8, seed=0)
         apply_tensor_parallel(model, plan_of(model), mesh, sequence_parallel=sequence_parallel,
@@ -128,10 +128,10 @@ def test_one_collective_per_block_input_and_row_parallel_output(sequence_paralle
                      parallel={"nproc": 2, "tp": 2, "dp_shard": 1,
                                "sequence_parallel": sequence_parallel})
     run_ranks(train, 2, spec, timeout=120)
-    layers, micro = spec.model.n_layers, spec.batch.global_batch // spec.batch.micro_batch
+    layers, micro = spec.model.fields.n_layers, spec.batch.global_batch // spec.batch.micro_batch
     per_micro = 2 * (2 * layers + 1)  # (block inputs + row-parallel outputs) x (fwd + bwd) / 2
     tokens = spec.batch.micro_batch * spec.data.seq_len
-    activation = tokens * spec.model.d_model * 4
+    activation = tokens * spec.model.fields.d_model * 4
     loss_stats = 2 * 2 * tokens * 4  # all-gathered: tp x (log-sum-exp, target logit) per token
     for event in _steps(tmp_path / "run"):
         by_op = event["comm_by_op"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.run.export import load_exported
 from shardwise.cli.main import main
+from shardwise.run.export import load_exported
 from tests.support.ranks import run_ranks
 from tests.support.specs import tiny_spec
 from tests.support.workers import train

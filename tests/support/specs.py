@@ -27,6 +27,8 @@ def tiny_spec_dict(corpus: Path, run_dir: Path, **sections: dict) -> dict:
         "checkpoint": {"enabled": False},
         "sample": {"tokens": 0},
     }
+    if sections.get("model", {}).get("family", "gpt") not in ("gpt", "moe-gpt"):
+        spec["model"] = {}  # the tiny GPT's keys belong to the GPT families (spec/model.py)
     for name, values in sections.items():
         spec.setdefault(name, {}).update(values)
     return spec

@@ -40,6 +40,7 @@ import pytest
 from shardwise.errors import SpecError, UserError
 from shardwise.spec import load_spec, parse_override, spec_from_dict
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
+from shardwise.spec.model import FAMILY_FIELDS, BuilderFields, ModelSection
 from shardwise.spec.runspec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,6 +192,15 @@ def _repo_file(text: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def _keys(section: str, cls: type) -> set[str]:
+    """The keys a section's table may hold: [model] holds family, init and the keys of the
+    families (spec/model.py), each family its own."""
+    if cls is ModelSection:
+        return {"family", "init"} | {f.name for c in (*FAMILY_FIELDS.values(), BuilderFields)
+                                     for f in dataclasses.fields(c)}
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 def _check_overrides(cmd: Command, config: str | None, overrides: list[str]) -> None:
     for item in overrides:
         try:
@@ -200,8 +210,7 @@ def _check_overrides(cmd: Command, config: str | None, overrides: list[str]) -> 
         sections = {f.name: f for f in dataclasses.fields(RunSpec)}
         if section not in sections:
             pytest.fail(f"{cmd.where}: --set {item}: there is no section [{section}] in the RunSpec")
-        cls = typing.get_type_hints(RunSpec)[section]
-        if key not in {f.name for f in dataclasses.fields(cls)}:
+        if key not in _keys(section, typing.get_type_hints(RunSpec)[section]):
             pytest.fail(f"{cmd.where}: --set {item}: [{section}] has no key {key!r}")
     try:
         load_spec(_repo_file(config), overrides)
@@ -327,7 +336,7 @@ def test_toml_snippet_is_a_valid_spec(block: Block):
         if section not in sections:
             pytest.fail(f"{where}:{_line_of(block, section)}: unknown section [{section}] in a "
                         f"{name} spec; sections: {', '.join(sections)}")
-        keys = {f.name for f in dataclasses.fields(sections[section])}
+        keys = _keys(section, sections[section])
         for key in values:
             if key not in keys:
                 pytest.fail(f"{where}:{_line_of(block, section, key)}: unknown key "

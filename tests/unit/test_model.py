@@ -9,11 +9,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.registry import build_model
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 
 VOCAB = 512
 SEQ = 128
-SMALL = ModelSection(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+SMALL = ModelSection.of(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 
 
 def model(section: ModelSection = SMALL, seed: int = 0, seq_len: int = SEQ) -> GPT:
@@ -21,7 +21,8 @@ def model(section: ModelSection = SMALL, seed: int = 0, seq_len: int = SEQ) -> G
 
 
 def hand_count(section: ModelSection, vocab: int, ffn: int) -> int:
-    d, h, kv, layers = section.d_model, section.n_heads, section.n_kv_heads, section.n_layers
+    f = section.fields
+    d, h, kv, layers = f.d_model, f.n_heads, f.n_kv_heads, f.n_layers
     hd = d // h
     per_layer = (d * h * hd          # wq
                  + 2 * d * kv * hd   # wk, wv
@@ -29,13 +30,14 @@ def hand_count(section: ModelSection, vocab: int, ffn: int) -> int:
                  + 3 * d * ffn       # w1, w3, w2
                  + 2 * d)            # attention_norm, ffn_norm
     total = vocab * d + layers * per_layer + d  # embedding, blocks, final norm
-    if not section.tie_embeddings:
+    if not section.fields.tie_embeddings:
         total += vocab * d  # a separate output projection
     return total
 
 
 def hand_flops(section: ModelSection, vocab: int, seq_len: int, ffn: int) -> float:
-    d, h, kv, layers = section.d_model, section.n_heads, section.n_kv_heads, section.n_layers
+    f = section.fields
+    d, h, kv, layers = f.d_model, f.n_heads, f.n_kv_heads, f.n_layers
     hd = d // h
     n_matmul = layers * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * ffn) + d * vocab
     return 6.0 * n_matmul + 12.0 * layers * h * hd * seq_len
@@ -43,7 +45,7 @@ def hand_flops(section: ModelSection, vocab: int, seq_len: int, ffn: int) -> flo
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_num_params_matches_hand_count(tie):
-    section = ModelSection(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+    section = ModelSection.of(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                            tie_embeddings=tie)
     m = model(section)
     want = hand_count(section, VOCAB, ffn=128)
@@ -57,18 +59,18 @@ def test_num_params_matches_hand_count(tie):
 
 def test_default_ffn_width_and_count():
     """ffn_hidden = 0 -> 8/3 * d_model rounded up to a multiple of 64: 64 -> 170.67 -> 192."""
-    section = ModelSection(n_layers=3, d_model=64, n_heads=4, n_kv_heads=1, ffn_hidden=0)
-    cfg = GPTConfig.from_spec(section, vocab_size=VOCAB, seq_len=SEQ)
+    section = ModelSection.of(n_layers=3, d_model=64, n_heads=4, n_kv_heads=1, ffn_hidden=0)
+    cfg = GPTConfig.from_fields(section.fields, vocab_size=VOCAB, seq_len=SEQ)
     assert cfg.ffn_hidden == 192
     assert cfg.head_dim == 16
     assert model(section).num_params() == hand_count(section, VOCAB, ffn=192)
     # the default model section: 8/3 * 192 = 512, already a multiple of 64
-    assert GPTConfig.from_spec(ModelSection(d_model=192), VOCAB, SEQ).ffn_hidden == 512
+    assert GPTConfig.from_fields(ModelSection.of(d_model=192).fields, VOCAB, SEQ).ffn_hidden == 512
 
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_flops_per_token_formula(tie):
-    section = ModelSection(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+    section = ModelSection.of(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                            tie_embeddings=tie)
     m = model(section)
     want = hand_flops(section, VOCAB, SEQ, ffn=128)
@@ -98,7 +100,7 @@ def test_output_shape_and_gqa_matches_repeated_heads():
     """GQA with 2 KV heads equals full multi-head attention whose K/V heads are the shared ones,
     each repeated for its group of query heads."""
     gqa = model()
-    mha_section = ModelSection(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128)
+    mha_section = ModelSection.of(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128)
     mha = model(mha_section, seed=1)
     assert mha.num_params() == hand_count(mha_section, VOCAB, ffn=128)
     state = gqa.state_dict()
@@ -119,7 +121,7 @@ def test_output_shape_and_gqa_matches_repeated_heads():
 
 @pytest.mark.parametrize("kv", [1, 2, 4])
 def test_causality(kv):
-    m = model(ModelSection(n_layers=2, d_model=64, n_heads=4, n_kv_heads=kv, ffn_hidden=128))
+    m = model(ModelSection.of(n_layers=2, d_model=64, n_heads=4, n_kv_heads=kv, ffn_hidden=128))
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
     changed = tokens.clone()
     p = 37
@@ -169,7 +171,7 @@ def test_build_model_leaves_global_rng_alone():
 
 def test_init_scales():
     """Normal(0, 0.02) weights; residual projections (wo, w2) use 0.02 / sqrt(2 * n_layers)."""
-    section = ModelSection(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=512)
+    section = ModelSection.of(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=512)
     m = model(section, seed=0)
     params = dict(m.named_parameters())
     residual = 0.02 / (2 * 4) ** 0.5

@@ -28,6 +28,7 @@ from hypothesis.errors import NoSuchExample
 from shardwise.errors import SpecError
 from shardwise.resilience.faults import parse_faults
 from shardwise.spec import RunSpec, load_spec, parse_override, spec_from_dict, spec_to_toml
+from shardwise.spec.model import FAMILY_FIELDS, BuilderFields
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -39,8 +40,12 @@ def _default(f: dataclasses.Field) -> Any:
 
 FIELDS: dict[str, dict[str, Any]] = {
     s.name: {f.name: _default(f) for f in dataclasses.fields(typing.get_type_hints(RunSpec)[s.name])}
-    for s in dataclasses.fields(RunSpec)
+    for s in dataclasses.fields(RunSpec) if s.name != "model"
 }
+# [model] is flat in TOML: family, init and the keys of every family (spec/model.py)
+FIELDS["model"] = {f.name: _default(f) for cls in (*FAMILY_FIELDS.values(), BuilderFields)
+                   for f in dataclasses.fields(cls)}
+FIELDS["model"].update(family="gpt", init="meta")
 PY_ATTRS = ["__class__", "__init__", "__dict__", "__module__", "mro", "replace", "validate",
             "to_dict", "digest", "fields", "__dataclass_fields__", "name", "self"]
 

@@ -25,7 +25,7 @@ from torch import nn
 from shardwise.checkpoint.checkpointer import ModelState
 from shardwise.errors import UserError
 from shardwise.models.plan import find_tied
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import HfFields
 
 if TYPE_CHECKING:  # the `hf` extra
     from transformers import PretrainedConfig
@@ -46,7 +46,7 @@ def file_keys(root: Path) -> dict[str, list[int]]:
     return keys
 
 
-def load_pretrained(parts: list[nn.Module], model: ModelSection, root: Path,
+def load_pretrained(parts: list[nn.Module], model: HfFields, root: Path,
                     distributed: bool) -> int:
     """Load `root`'s weights into this rank's parts (collective when `distributed`); returns the
     number of tensors loaded. A tensor the file lacks, or holds with another shape, is a
@@ -88,7 +88,7 @@ def _names_to_load(state: dict[str, Any], present: dict[str, list[int]],
     return [n for n in state if n not in skip]
 
 
-def export_hf(model: nn.Module, out_dir: Path, model_section: ModelSection,
+def export_hf(model: nn.Module, out_dir: Path, model_section: HfFields,
               tokenizer_path: Path | None, dtype: str = "") -> Path:
     """Write `model` (an `HFCausalLM` with full, consolidated tensors) as a save_pretrained
     directory; `dtype` "" keeps the source dtype (fp32 for a model trained from a config)."""
@@ -119,7 +119,7 @@ def export_hf(model: nn.Module, out_dir: Path, model_section: ModelSection,
     return model_file
 
 
-def _copy_tokenizer(model: ModelSection, tokenizer_path: Path | None, out_dir: Path) -> None:
+def _copy_tokenizer(model: HfFields, tokenizer_path: Path | None, out_dir: Path) -> None:
     """The source directory's tokenizer files when fine-tuning; else the run's tokenizer.json."""
     src = Path(model.hf_path).expanduser() if model.hf_path else None
     copied = False

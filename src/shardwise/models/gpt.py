@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.plan import ModelPlan, ModelShape, Stages
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import GptFields
 from shardwise.telemetry.flops import FlopCounts
 
 
@@ -36,7 +36,8 @@ class GPTConfig:
     init_std: float = 0.02
 
     @classmethod
-    def from_spec(cls, model: ModelSection, vocab_size: int, seq_len: int) -> GPTConfig:
+    def from_fields(cls, model: GptFields, vocab_size: int, seq_len: int) -> GPTConfig:
+        """The spec's [model] fields plus what the data decides (vocabulary, context)."""
         ffn = model.ffn_hidden or _round_up(int(8 * model.d_model / 3), 64)
         return cls(vocab_size, seq_len, model.n_layers, model.d_model, model.n_heads,
                    model.n_kv_heads, ffn, model.tie_embeddings, model.rope_theta, model.norm_eps,

@@ -43,7 +43,7 @@ from shardwise.models.gpt import (
     TransformerBlock,
 )
 from shardwise.models.plan import ModelPlan
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import MoeGptFields
 from shardwise.telemetry.flops import FlopCounts
 
 
@@ -60,8 +60,8 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0: dropless
 
     @classmethod
-    def from_spec(cls, model: ModelSection, vocab_size: int, seq_len: int) -> MoEConfig:
-        gpt = GPTConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len)
+    def from_fields(cls, model: MoeGptFields, vocab_size: int, seq_len: int) -> MoEConfig:
+        gpt = GPTConfig.from_fields(model, vocab_size=vocab_size, seq_len=seq_len)
         return cls(gpt, model.moe_experts, model.moe_top_k, model.moe_ffn_hidden or gpt.ffn_hidden,
                    model.moe_shared_expert, model.moe_balance, model.moe_aux_coef,
                    model.moe_bias_rate,
@@ -286,5 +286,5 @@ class MoEGPT(GPT):
             flop_counts=self.flop_counts())
 
 
-def build_moe_gpt(model: ModelSection, vocab_size: int, seq_len: int) -> MoEGPT:
-    return MoEGPT(MoEConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len))
+def build_moe_gpt(model: MoeGptFields, vocab_size: int, seq_len: int) -> MoEGPT:
+    return MoEGPT(MoEConfig.from_fields(model, vocab_size=vocab_size, seq_len=seq_len))

@@ -26,7 +26,7 @@ from shardwise.models.deferred import CannotDefer, InitRecord, record_build
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.moe import build_moe_gpt
 from shardwise.models.plan import ModelPlan, PlanError, attach_plan, plan_of
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import GptFields, HfFields, ModelSection, MoeGptFields
 from shardwise.utils.pyfile import file_sha256, load_function
 
 ENTRY_POINTS = "shardwise.models"
@@ -44,14 +44,16 @@ def build_model(model: ModelSection, vocab_size: int, seq_len: int, seed: int,
 
 
 def _construct(model: ModelSection, vocab_size: int, seq_len: int) -> nn.Module:
-    if model.family == "gpt":
-        return GPT(GPTConfig.from_spec(model, vocab_size=vocab_size, seq_len=seq_len))
-    if model.family == "moe-gpt":
-        return build_moe_gpt(model, vocab_size=vocab_size, seq_len=seq_len)
-    if model.family == "hf":
+    """The family's builder, given the family's own fields (`spec.model.FAMILY_FIELDS`)."""
+    fields = model.fields
+    if isinstance(fields, MoeGptFields):  # (before GptFields: it is one)
+        return build_moe_gpt(fields, vocab_size=vocab_size, seq_len=seq_len)
+    if isinstance(fields, GptFields):
+        return GPT(GPTConfig.from_fields(fields, vocab_size=vocab_size, seq_len=seq_len))
+    if isinstance(fields, HfFields):
         from shardwise.models.hf.build import build_hf  # transformers only when asked for
 
-        return build_hf(model, vocab_size, seq_len)
+        return build_hf(fields, vocab_size, seq_len)
     return _build_user(model, vocab_size)
 
 
@@ -137,7 +139,8 @@ def model_source(family: str, model: ModelSection | None = None) -> dict[str, An
     if family == "hf":
         from shardwise.models.hf.source import hf_source
 
-        return hf_source(model) if model is not None else {"family": family}
+        return hf_source(model.hf) if model is not None and model.hf is not None \
+            else {"family": family}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
         if ep.name == family and ep.dist is not None:
             return {"family": family, "package": ep.dist.name, "version": ep.dist.version}

@@ -130,7 +130,7 @@ def _check_experts(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
             f"expert parallel ep = {ep} does not divide the model's {experts} experts "
             f"({_experts_field(spec)}): every ep rank holds an equal share. The nearest ep that "
             f"does is {_nearest_divisor(experts, ep)}; or use a multiple of {ep} experts.")
-    if plan.experts and dims.cp > 1 and getattr(spec.model, "moe_routing", "") == "capacity":
+    if plan.experts and dims.cp > 1 and getattr(spec.model.fields, "moe_routing", "") == "capacity":
         raise SpecError(
             f"capacity routing (model.moe_routing = \"capacity\") with context parallel (cp = "
             f"{dims.cp}) is not available: which assignments an expert drops depends on the "

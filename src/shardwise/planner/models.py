@@ -223,9 +223,10 @@ def _gpt_default() -> ModelDims:
     """The embedded default RunSpec's GPT (`shardwise.spec.runspec` defaults; the FFN rule of
     `shardwise.models.gpt.GPTConfig.from_spec`: 8/3 x d_model rounded up to 64; a test checks
     the result against `describe_model`'s build on the meta device)."""
-    from shardwise.spec.runspec import BatchSection, DataSection, ModelSection
+    from shardwise.spec.model import GptFields
+    from shardwise.spec.runspec import BatchSection, DataSection
 
-    m, d = ModelSection(), DataSection()
+    m, d = GptFields(), DataSection()
     ffn = m.ffn_hidden or (int(8 * m.d_model / 3) + 63) // 64 * 64
     return ModelDims(name="gpt-default", layers=m.n_layers, hidden=m.d_model, heads=m.n_heads,
                      kv_heads=m.n_kv_heads, ffn=ffn, vocab=d.vocab_size, seq_len=d.seq_len,

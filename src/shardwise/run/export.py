@@ -8,7 +8,6 @@ written beside it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import warnings
@@ -41,7 +40,7 @@ def export_safetensors(checkpoint: Found, out_dir: Path, spec: RunSpec | None) -
     tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in copies}
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {"vocab_size": data.vocab_size, "seq_len": spec.data.seq_len,
-              **dataclasses.asdict(spec.model), "tied": [list(g) for g in tied],
+              **spec.model.table(), "tied": [list(g) for g in tied],
               "source": model_source(spec.model.family, spec.model),
               "checkpoint": str(checkpoint.location),
               "step": json.loads((checkpoint.location / META).read_text())["step"]}
@@ -62,7 +61,8 @@ def export_hf_dir(checkpoint: Found, out_dir: Path, spec: RunSpec | None, dtype:
         raise UserError(f"--format hf exports Hugging Face models (model.family = \"hf\"); "
                         f"this run's model is {spec.model.family!r}. Use --format safetensors.")
     model, data, spec = consolidated(checkpoint, spec)
-    return export_hf(model, out_dir, spec.model, data.tokenizer_path, dtype)
+    assert spec.model.hf is not None  # checked above: family "hf"
+    return export_hf(model, out_dir, spec.model.hf, data.tokenizer_path, dtype)
 
 
 def consolidated(checkpoint: Found, spec: RunSpec | None) -> tuple[torch.nn.Module, Any, RunSpec]:
@@ -94,11 +94,13 @@ def load_exported(model_file: Path) -> tuple[torch.nn.Module, dict]:
     """Rebuild the model from an export (safetensors + config.json), without any pickle."""
     from safetensors.torch import load_file
 
-    from shardwise.spec.runspec import ModelSection
+    from shardwise.spec.load import model_section
+    from shardwise.spec.model import fields_class
 
     config = json.loads((model_file.parent / "config.json").read_text())
-    fields = {k: config[k] for k in ModelSection.__dataclass_fields__ if k in config}
-    model = build_model(ModelSection(**fields), config["vocab_size"], config["seq_len"], seed=0)
+    keys = {"family", "init", *fields_class(config.get("family", "gpt")).__dataclass_fields__}
+    section = model_section({k: config[k] for k in keys if k in config}, str(model_file))
+    model = build_model(section, config["vocab_size"], config["seq_len"], seed=0)
     tensors = load_file(str(model_file))
     for group in config.get("tied", []):
         for name in group[1:]:

@@ -21,12 +21,13 @@ def with_data_hashes(spec: RunSpec, data: PreparedData) -> RunSpec:
 def with_model_tokenizer(spec: RunSpec) -> RunSpec:
     """A model fine-tuned from a directory (`model.hf_path`) reads text with its own tokenizer:
     `data.tokenizer` is set to the directory's tokenizer.json unless the user named one."""
-    if spec.model.family != "hf" or not spec.model.hf_path:
+    hf = spec.model.hf
+    if hf is None or not hf.hf_path:
         return spec
     from shardwise.data import resolve_tokenizer
     from shardwise.models.hf.build import hf_dir
 
-    return dataclasses.replace(spec, data=resolve_tokenizer(spec.data, hf_dir(spec.model)))
+    return dataclasses.replace(spec, data=resolve_tokenizer(spec.data, hf_dir(hf)))
 
 
 def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec, ParallelDims]:
@@ -52,11 +53,11 @@ def preflight(spec: RunSpec, data: PreparedData | None = None) -> tuple[RunSpec,
     if data is None:  # after the cheap checks: preparing a corpus can take a while
         data = prepare_data(spec.data)
     plan = describe_model(spec.model, data.vocab_size, spec.data.seq_len)
-    if dims.cp > 1 and spec.model.family == "hf":
+    if dims.cp > 1 and spec.model.hf is not None:
         from shardwise.models.hf.attention import check_context_parallel
         from shardwise.models.hf.build import load_config
 
-        check_context_parallel(load_config(spec.model, data.vocab_size, spec.data.seq_len))
+        check_context_parallel(load_config(spec.model.hf, data.vocab_size, spec.data.seq_len))
     check_layout(spec, dims, plan, layout.accumulation)
     check_memory(spec, dims, plan, device_type)
     return with_data_hashes(spec, data), dims

@@ -187,13 +187,14 @@ class Trainer:
     def _load_pretrained(self) -> None:
         """Pretrained weights (`model.hf_path`): each rank reads its own shards of them. A
         resume then overwrites them with the checkpoint's."""
-        if self.spec.model.family != "hf" or not self.spec.model.hf_path:
+        hf = self.spec.model.hf
+        if hf is None or not hf.hf_path:
             return
         from shardwise.checkpoint.hf import load_pretrained
 
         t0 = time.perf_counter()
-        root = Path(self.spec.model.hf_path).expanduser()
-        count = load_pretrained(self.model.parts, self.spec.model, root, self.ctx.distributed)
+        root = Path(hf.hf_path).expanduser()
+        count = load_pretrained(self.model.parts, hf, root, self.ctx.distributed)
         self.events.emit("pretrained", 0, path=str(root.resolve()), tensors=count,
                          load_s=round(time.perf_counter() - t0, 4))
 

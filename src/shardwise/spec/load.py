@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, show
+from shardwise.spec.model import ModelSection, default_of, fields_class, owner_of
 from shardwise.spec.runspec import RunSpec
 from shardwise.spec.toml import build_table, read_toml, shown_name, suggest, toml_value
 
@@ -23,6 +24,7 @@ _SECTIONS: dict[str, type] = {
 #: sections renamed since a release wrote them into run directories' spec.toml: read under the
 #: new name, so an old run still resumes (both spellings at once is a mistake worth naming)
 RENAMED_SECTIONS = {"plan": "fit"}
+MODEL_KEYS = "see docs/runspec.md#model"
 
 
 def load_spec(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunSpec:
@@ -42,8 +44,40 @@ def spec_from_dict(data: Mapping[str, Any], origin: str = "the spec") -> RunSpec
     """Build a RunSpec from nested mappings, rejecting unknown keys and wrong types."""
     data = _renamed(data, origin)
     check_tables(data, _SECTIONS, origin)
-    return RunSpec(**{name: build_table(name, _SECTIONS[name], values, origin)
-                      for name, values in data.items()})
+    sections: dict[str, Any] = {
+        name: (model_section(values, origin) if name == "model"
+               else build_table(name, _SECTIONS[name], values, origin))
+        for name, values in data.items()}
+    return RunSpec(**sections)
+
+
+def model_section(table: Mapping[str, Any], origin: str = "the spec") -> ModelSection:
+    """The flat [model] table: `family` and `init` first, then the keys that family owns
+    (`spec.model.FAMILY_FIELDS`). A key another family owns is an error naming that family,
+    unless it holds that family's default: spec.toml files written before families owned their
+    fields list every key of every family, and those still load."""
+    table = dict(table)
+    head = build_table("model", ModelSection, {k: table.pop(k) for k in ("family", "init")
+                                               if k in table}, origin)
+    cls = fields_class(head.family)
+    own = [f.name for f in dataclasses.fields(cls)]
+    keys = ", ".join(["family", "init", *own])
+    mine = {}
+    for key, value in table.items():
+        if key in own:
+            mine[key] = value
+            continue
+        owner = owner_of(key)
+        if owner is None:
+            raise SpecError(f"unknown key model.{shown_name(key)} in {origin}."
+                            f"{suggest(key, own)} Keys of family {head.family!r}: {keys}.")
+        if value == default_of(key):
+            continue
+        raise SpecError(
+            f"model.{shown_name(key)} in {origin} belongs to model.family = {owner!r}, but "
+            f"this model's family is {head.family!r}. Set model.family = {owner!r}, or remove "
+            f"model.{shown_name(key)}. Keys of family {head.family!r}: {keys}.")
+    return ModelSection(head.family, head.init, build_table("model", cls, mine, origin))
 
 
 def _renamed(data: Mapping[str, Any], origin: str) -> Mapping[str, Any]:
@@ -115,6 +149,8 @@ def _keys_of(section: str) -> str:
     cls = _SECTIONS.get(section)
     if cls is None:
         return f"There is no section [{shown_name(section)}].{suggest(section, _SECTIONS)}"
+    if cls is ModelSection:
+        return f"Valid keys of [model]: family, init and the family's own ({MODEL_KEYS})."
     return f"Valid keys of [{section}]: {', '.join(f.name for f in dataclasses.fields(cls))}."
 
 

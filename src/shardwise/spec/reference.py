@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.spec import cluster, failure, runspec
+from shardwise.spec import cluster, failure, model, runspec
 from shardwise.spec.toml import toml_value as _toml_value
 
 REGENERATE = "python -m shardwise.spec.reference > docs/runspec.md"
@@ -189,11 +189,37 @@ class Table:
     name: str  # as written in TOML: "run", "peak_tflops", ...
     doc: str
     keys: tuple[Key, ...]
+    title: str = ""  # the heading, when not just `[name]` (a model family's keys)
 
 
 def run_tables() -> list[Table]:
-    """Every section of the RunSpec, in the order of `RunSpec`'s fields."""
-    return [_table(f.name, cls, f.name) for f, cls in _sections(runspec.RunSpec)]
+    """Every section of the RunSpec, in the order of `RunSpec`'s fields; [model] as its head
+    (family, init) followed by one table per family of the keys that family owns."""
+    tables = []
+    for f, cls in _sections(runspec.RunSpec):
+        if cls is model.ModelSection:
+            tables += model_tables()
+        else:
+            tables.append(_table(f.name, cls, f.name))
+    return tables
+
+
+def model_tables() -> list[Table]:
+    """[model]'s own keys, then each family's (a family built on another lists only the keys
+    it adds; `spec/model.py` is the registry)."""
+    head = _table("model", model.ModelSection, "model", skip={"fields"})
+    tables = [head]
+    for family, cls in _families():
+        base = {f.name for b in cls.__mro__[1:] if dataclasses.is_dataclass(b)
+                for f in dataclasses.fields(b)}
+        tables.append(_table("model", cls, "model", skip=base,
+                             title=f"`[model]`, family {family}"))
+    return tables
+
+
+def _families() -> list[tuple[str, type]]:
+    return [*((f"`{name}`", cls) for name, cls in model.FAMILY_FIELDS.items()),
+            ("`py:FILE.py:FUNCTION` or a registered name", model.BuilderFields)]
 
 
 def cluster_tables() -> list[Table]:
@@ -253,7 +279,8 @@ def render() -> str:
         "Types are TOML's: a `table` key takes an inline table (`args = { width = 256 }`) of "
         "strings, numbers, booleans, and arrays and tables of them, passed to your code as it is.",
         "",
-        "Sections: " + ", ".join(f"[`[{t.name}]`](#{_slug(t.name)})" for t in run_tables()) + ".",
+        "Sections: " + ", ".join(f"[`[{t.name}]`](#{_slug(t.name)})" for t in run_tables()
+                                 if not t.title) + ".",
         "",
     ]
     for table in run_tables():
@@ -286,22 +313,27 @@ def _sections(spec_cls: type) -> Iterator[tuple[dataclasses.Field[Any], type]]:
 def _note_classes() -> Iterator[tuple[str, type]]:
     for f, cls in _sections(runspec.RunSpec):
         yield f.name, cls
+    for _, cls in _families():
+        yield "model", cls
     for f, cls in _sections(cluster.ClusterSpec):
         yield ("link" if cls is cluster.LinkSection else f.name), cls
     yield "fault", failure.Fault
 
 
-def _table(name: str, cls: type, note_prefix: str) -> Table:
+def _table(name: str, cls: type, note_prefix: str, skip: set[str] | frozenset[str] = frozenset(),
+           title: str = "") -> Table:
     source = _Source.of(cls)
     hints = typing.get_type_hints(cls)
     checks = source.checks(cls.__name__)
     keys = []
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         doc = _join([source.comment(cls.__name__, f.name),
                      FIELD_NOTES.get(f"{note_prefix}.{f.name}", "")])
         keys.append(Key(name, f.name, _toml_type(hints[f.name]), _default(f),
                         checks.get(f.name, ""), doc))
-    return Table(name, _docstring(cls), tuple(keys))
+    return Table(name, _docstring(cls), tuple(keys), title)
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
@@ -448,7 +480,8 @@ def _field_of(node: ast.expr, loop: dict[str, str]) -> str | None:
 
 
 def _render_table(table: Table, level: str = "##") -> list[str]:
-    out = [f"{level} `[{table.name}]`", ""]
+    # a title is a part of the section before it: one level down
+    out = [f"{level}# {table.title}", ""] if table.title else [f"{level} `[{table.name}]`", ""]
     if table.doc:
         out += [_md(table.doc), ""]
     out += ["| key | type | default | values | description |", "|---|---|---|---|---|"]

@@ -17,6 +17,7 @@ from typing import Any
 from shardwise.errors import SpecError, show
 from shardwise.spec.checks import at_least, choice, divisors, positive
 from shardwise.spec.failure import parse_faults, parse_signals
+from shardwise.spec.model import ModelSection
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -27,12 +28,7 @@ SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-BUILTIN_FAMILIES = ("gpt", "moe-gpt")
-MOE_BALANCE = ("aux-loss", "bias", "none")
-MOE_ROUTING = ("dropless", "capacity")
-MODEL_INITS = ("meta", "eager")
-_PY_FAMILY = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")
-_REGISTERED_FAMILY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_PY_FUNCTION = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")  # a py: dataset
 RUN_NAME_MAX = 100
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -77,149 +73,6 @@ class RunSection:
 
 
 @dataclass(frozen=True)
-class ModelSection:
-    """Model family and shape. The vocabulary comes from the tokenizer (`data.vocab_size`).
-
-    `family`: "gpt" (the built-in, shaped by the fields below), "py:FILE.py:FUNCTION" (a user
-    builder, given `args`), or a name an installed package registers. The GPT fields are unused
-    by other families. `init`: "meta" builds on the meta device and each rank materialises only
-    the tensors it keeps (same values as "eager", which builds the whole model on every rank)."""
-
-    family: str = "gpt"
-    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a user builder
-    init: str = "meta"
-    # family "hf": a transformers config (a config.json path, or a table with model_type) for
-    # random init, or a local save_pretrained directory (config + safetensors) to fine-tune
-    hf_config: str | dict[str, Any] = ""
-    hf_path: str = ""
-    hf_tp_plan: dict[str, Any] = field(default_factory=dict)  # pattern -> style; {}: the model's
-    n_layers: int = 4
-    d_model: int = 192
-    n_heads: int = 6
-    n_kv_heads: int = 2
-    ffn_hidden: int = 0  # 0 -> 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    # family "moe-gpt" (shardwise.models.moe): the GPT with a mixture-of-experts feed-forward
-    moe_experts: int = 8
-    moe_top_k: int = 2
-    moe_ffn_hidden: int = 0  # per expert; 0 -> ffn_hidden's rule
-    moe_shared_expert: bool = False  # one always-on SwiGLU expert of moe_ffn_hidden beside them
-    moe_balance: str = "aux-loss"  # "aux-loss" (Switch/GShard), "bias" (DeepSeek-V3), "none"
-    moe_aux_coef: float = 0.01  # weight of the load-balancing loss ("aux-loss")
-    moe_bias_rate: float = 1e-3  # step of the per-expert selection bias per update ("bias")
-    moe_routing: str = "dropless"  # "dropless", or "capacity": at most capacity per expert
-    moe_capacity_factor: float = 1.25  # capacity = factor * tokens * top_k / experts
-
-    def validate(self) -> None:
-        choice("model.init", self.init, MODEL_INITS)
-        self._validate_moe()
-        if self.family not in BUILTIN_FAMILIES or self.hf_config or self.hf_path \
-                or self.hf_tp_plan:
-            self._validate_user_family()
-            return
-        if self.args:
-            raise SpecError(
-                f"model.args = {show(self.args)} is for user builders (model.family = "
-                "\"py:FILE.py:FUNCTION\"); the built-in GPT is shaped by model.n_layers, "
-                "model.d_model, model.n_heads, ... Remove model.args, or change model.family.")
-        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads"):
-            positive(f"model.{name}", getattr(self, name))
-        at_least("model.ffn_hidden", self.ffn_hidden, 0)
-        if self.d_model % self.n_heads:
-            raise SpecError(
-                f"model.d_model ({self.d_model}) is not divisible by model.n_heads "
-                f"({self.n_heads}), so heads would have unequal widths. Choose n_heads among "
-                f"{divisors(self.d_model)} (the divisors of d_model)."
-            )
-        if (self.d_model // self.n_heads) % 2:
-            raise SpecError(
-                f"head width d_model/n_heads = {self.d_model // self.n_heads} is odd; rotary "
-                "embeddings rotate pairs of channels and need an even head width. Change "
-                "model.d_model or model.n_heads."
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise SpecError(
-                f"model.n_heads ({self.n_heads}) is not a multiple of model.n_kv_heads "
-                f"({self.n_kv_heads}); grouped-query attention shares each KV head among "
-                f"n_heads/n_kv_heads query heads. Choose n_kv_heads among {divisors(self.n_heads)}."
-            )
-        positive("model.rope_theta", self.rope_theta)
-        positive("model.norm_eps", self.norm_eps)
-        positive("model.init_std", self.init_std)
-
-    def _validate_moe(self) -> None:
-        """The moe_* fields shape only the built-in "moe-gpt"; elsewhere they must keep their
-        defaults (a set field that does nothing is a mistake worth saying)."""
-        if self.family != "moe-gpt":
-            defaults = ModelSection()
-            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")
-                       and getattr(self, f.name) != getattr(defaults, f.name)]
-            if changed:
-                raise SpecError(
-                    f"model.{changed[0]} shapes the built-in mixture-of-experts model, but "
-                    f"model.family = {show(self.family)}. Set model.family = \"moe-gpt\", or "
-                    f"remove {', '.join('model.' + n for n in changed)}.")
-            return
-        positive("model.moe_experts", self.moe_experts)
-        positive("model.moe_top_k", self.moe_top_k)
-        if self.moe_top_k > self.moe_experts:
-            raise SpecError(
-                f"model.moe_top_k = {self.moe_top_k} routes each token to more experts than "
-                f"there are (model.moe_experts = {self.moe_experts}). Use moe_top_k <= "
-                f"{self.moe_experts}, or more experts.")
-        at_least("model.moe_ffn_hidden", self.moe_ffn_hidden, 0)
-        choice("model.moe_balance", self.moe_balance, MOE_BALANCE)
-        at_least("model.moe_aux_coef", self.moe_aux_coef, 0)
-        at_least("model.moe_bias_rate", self.moe_bias_rate, 0)
-        choice("model.moe_routing", self.moe_routing, MOE_ROUTING)
-        if self.moe_routing == "capacity" and not self.moe_capacity_factor > 0:
-            raise SpecError(
-                f"model.moe_capacity_factor = {self.moe_capacity_factor}: with moe_routing = "
-                "\"capacity\" each expert takes at most factor x tokens x top_k / experts "
-                "tokens, so the factor must be greater than 0 (1.0 = an even share, 1.25 is "
-                "usual); or use moe_routing = \"dropless\".")
-
-    def _validate_hf(self) -> None:
-        if self.family != "hf":
-            for name in ("hf_config", "hf_path", "hf_tp_plan"):
-                if getattr(self, name):
-                    raise SpecError(f"model.{name} is for Hugging Face models; set model.family "
-                                    f"= \"hf\" (it is {show(self.family)}), or remove model.{name}.")
-            return
-        if bool(self.hf_config) == bool(self.hf_path):
-            raise SpecError("model.family = \"hf\" needs exactly one of model.hf_config (a "
-                            "config.json path or a table with model_type: random init, to "
-                            "pretrain) and model.hf_path (a local directory with config.json and "
-                            "model.safetensors: to fine-tune).")
-        if self.args:
-            raise SpecError("model.args is for py: builders; a Hugging Face model is shaped by "
-                            "model.hf_config. Remove model.args.")
-        for pattern, style in self.hf_tp_plan.items():
-            if not isinstance(style, str):
-                raise SpecError(f"model.hf_tp_plan.{pattern} = {show(style)}: each entry maps a "
-                                "module pattern to a style name like \"colwise\".")
-
-    def _validate_user_family(self) -> None:
-        self._validate_hf()
-        if self.family == "hf":
-            return
-        if self.family.startswith("py:"):
-            if not _PY_FAMILY.fullmatch(self.family):
-                raise SpecError(
-                    f"model.family = {show(self.family)} is not of the form "
-                    "\"py:FILE.py:FUNCTION\" (for example \"py:models/mlp.py:build\"): a Python "
-                    "file and the name of its builder function build(args, vocab_size).")
-        elif not _REGISTERED_FAMILY.fullmatch(self.family):
-            raise SpecError(
-                f"model.family = {show(self.family)} is not a model family. Use \"gpt\" (the "
-                "built-in), \"py:FILE.py:FUNCTION\" (your own nn.Module), or the name an "
-                "installed package registers.")
-
-
-@dataclass(frozen=True)
 class DataSection:
     """Corpus, tokenizer and sequence packing. Hashes are filled in at run time and then checked."""
 
@@ -255,7 +108,7 @@ class DataSection:
                 '"py:FILE.py:FUNCTION" for a dataset of your own.'
             )
         if self.is_samples:
-            if not _PY_FAMILY.fullmatch(self.source):
+            if not _PY_FUNCTION.fullmatch(self.source):
                 raise SpecError(
                     f"data.source = {show(self.source)} is not of the form "
                     "\"py:FILE.py:FUNCTION\" (for example \"py:examples/digits.py:load\"): a "
@@ -649,7 +502,10 @@ class RunSpec:
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section as a plain table ([model] flat: family, init, the family's keys)."""
+        return {f.name: (self.model.table() if f.name == "model"
+                         else dataclasses.asdict(getattr(self, f.name)))
+                for f in dataclasses.fields(self)}
 
     def digest(self) -> str:
         """SHA-256 of the resolved spec, stable across key order."""
@@ -657,7 +513,10 @@ class RunSpec:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def replace(self, section: str, **changes: Any) -> RunSpec:
-        """A copy with some fields of one section changed (and nothing validated)."""
+        """A copy with some fields of one section changed (and nothing validated); for
+        "model", keys of the flat [model] table (`ModelSection.with_changes`)."""
+        if section == "model":
+            return dataclasses.replace(self, model=self.model.with_changes(**changes))
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section),
                                                                          **changes)})
 

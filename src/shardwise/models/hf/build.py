@@ -27,7 +27,7 @@ from shardwise.models.hf.attention import install, register
 from shardwise.models.hf.moe import adapt_moe
 from shardwise.models.hf.plan import find_layout, hf_plan
 from shardwise.models.plan import PlanError, attach_plan
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import HfFields
 
 TRANSFORMERS_RANGE = ">=5.0,<6"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -52,7 +52,7 @@ def import_transformers() -> Any:
     return transformers
 
 
-def hf_dir(model: ModelSection) -> Path | None:
+def hf_dir(model: HfFields) -> Path | None:
     """The checked local directory of `model.hf_path` (None without one)."""
     if not model.hf_path:
         return None
@@ -78,7 +78,7 @@ def hf_dir(model: ModelSection) -> Path | None:
     return path
 
 
-def load_config(model: ModelSection, vocab_size: int, seq_len: int) -> Any:
+def load_config(model: HfFields, vocab_size: int, seq_len: int) -> Any:
     """The model's transformers config: from hf_path, a config file, or a table; with the
     vocabulary the data needs and a check that seq_len fits its positions."""
     transformers = import_transformers()
@@ -130,7 +130,7 @@ def _config_table(value: Any) -> dict[str, Any]:
         raise UserError(f"model.hf_config {path} is not valid JSON: {err}.") from None
 
 
-def build_hf(model: ModelSection, vocab_size: int, seq_len: int) -> nn.Module:
+def build_hf(model: HfFields, vocab_size: int, seq_len: int) -> nn.Module:
     """The adapted model with its plan attached (random init from the current RNG)."""
     transformers = import_transformers()
     config = load_config(model, vocab_size, seq_len)

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import HfFields
 from shardwise.utils.files import sha256_file
 
 
-def hf_source(model: ModelSection) -> dict[str, Any]:
+def hf_source(model: HfFields) -> dict[str, Any]:
     import transformers
 
     out: dict[str, Any] = {"family": "hf", "transformers": transformers.__version__}
