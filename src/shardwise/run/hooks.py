@@ -11,6 +11,7 @@ one that calls a collective must be due on every rank alike (every built-in one 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,7 @@ class EvalHook:
     def __call__(self, result: StepResult) -> None:
         held_out = evaluate(self.model, self.data)
         self.summary.val_losses[result.step] = held_out.loss
+        self.summary.val_times[result.step] = time.time()  # the run's time to target
         if held_out.accuracy is not None:
             self.summary.val_accuracies[result.step] = held_out.accuracy
         self.events.emit("eval", result.step, val_loss=held_out.loss,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardwise.data import BatchLayout, PreparedData, TrainBatches
 from shardwise.data.samples import EXAMPLE
-from shardwise.meta import __version__
+from shardwise.meta import STARTED_AT, __version__
 from shardwise.models.plan import described
 from shardwise.models.registry import model_source
 from shardwise.parallel.distributed import DistContext
@@ -42,6 +42,7 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)  # one per step run in this launch
     grad_norms: list[float] = field(default_factory=list)  # before clipping
     val_losses: dict[int, float] = field(default_factory=dict)
+    val_times: dict[int, float] = field(default_factory=dict)  # when each evaluation ended
     val_accuracies: dict[int, float] = field(default_factory=dict)  # where outputs score classes
     final_step: int = 0
     sample_text: str = ""
@@ -68,6 +69,7 @@ class RunRecord:
     train_data: TrainBatches
     num_params: int
     baseline: str
+    started_at: float = 0.0  # wall time of this launch's run_start
 
     def write_manifest(self, lineage: list[dict[str, Any]]) -> None:
         """Collective: gathers every rank's host and device (and agrees on the peak FLOP/s), then
@@ -103,6 +105,7 @@ class RunRecord:
         atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))
 
     def emit_start(self, step: int) -> None:
+        self.started_at = time.time()
         dims = self.ctx.dims
         per_sample = self.train_data.sequences.targets_per_sample
         self.events.emit(
@@ -121,7 +124,22 @@ class RunRecord:
                          val_loss=summary.val_losses.get(step),
                          val_accuracy=summary.val_accuracies.get(step),
                          unigram_loss=self.data.unigram_val_loss, baseline=self.baseline,
-                         sample=summary.sample_text, goodput=goodput)
+                         sample=summary.sample_text, goodput=goodput,
+                         startup_s=round(self.started_at - STARTED_AT, 3),
+                         **self.target_fields(summary))
+
+    def target_fields(self, summary: TrainSummary) -> dict[str, Any]:
+        """`eval.target_loss` and this launch's first evaluation at or below it: its step, the
+        tokens trained by then and the seconds since run_start (None when not reached)."""
+        target = self.spec.eval.target_loss or None
+        step = next((s for s, loss in summary.val_losses.items() if loss <= target), None) \
+            if target is not None else None
+        per_sample = self.train_data.sequences.targets_per_sample
+        at = summary.val_times.get(step) if step is not None else None
+        return {"target_loss": target, "target_step": step,
+                "target_tokens": step * self.layout.global_batch * per_sample
+                if step is not None and per_sample else None,
+                "target_s": round(at - self.started_at, 3) if at is not None else None}
 
     def end_preempted(self, step: int, info: dict[str, Any], preemption: Preemption) -> None:
         """After the preemption checkpoint committed: the `preempted` event, and the marker the

@@ -346,10 +346,14 @@ class EvalSection:
 
     every: int = 100  # 0 disables periodic evaluation (the final one still runs)
     batches: int = 4
+    # the held-out loss that counts as trained: the first evaluation at or below it gives the
+    # run's steps, tokens and seconds to target (run_end; `shardwise compare`, `scale`); 0: none
+    target_loss: float = 0.0
 
     def validate(self) -> None:
         at_least("eval.every", self.every, 0)
         positive("eval.batches", self.batches)
+        at_least("eval.target_loss", self.target_loss, 0.0)
 
 
 @dataclass(frozen=True)
@@ -425,9 +429,13 @@ class TelemetrySection:
     prometheus_port: int = 0  # rank 0 serves /metrics on this port when > 0
     prometheus_host: str = "127.0.0.1"
     mlflow: bool = False  # log params, metrics and artifacts to MLflow (needs mlflow installed)
+    # what one device costs per hour (any currency): `shardwise compare` and `scale` turn the
+    # device-hours a run held into its cost; 0: unknown, no cost is shown
+    price_per_device_hour: float = 0.0
 
     def validate(self) -> None:
         at_least("telemetry.peak_flops", self.peak_flops, 0)
+        at_least("telemetry.price_per_device_hour", self.price_per_device_hour, 0.0)
         at_least("telemetry.trace_from", self.trace_from, 1)
         at_least("telemetry.trace_steps", self.trace_steps, 0)
         if not 0 <= self.prometheus_port <= 65535:
