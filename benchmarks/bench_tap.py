@@ -6,12 +6,15 @@ record, the timing and the bookkeeping of a host-timed (CPU) call. A real world-
 `all_reduce` of the same tensor is timed too, for scale. Blocks of calls alternate between the
 modes; the figure per mode is the median of the blocks' per-call means (and the best block).
 
-`--against OTHER/src/shardwise/telemetry/comm.py` loads another version of the tap beside this one
+`--against OTHER/src/shardwise/telemetry/comm` loads another version of the tap beside this one
 and alternates the two in the same process, block by block — the fair comparison on a shared
-machine (separate processes see different load):
+machine (separate processes see different load). The tap is a package (`telemetry/comm/`); a
+version from before it was one is its single file, `--against OTHER/src/shardwise/telemetry/comm.py`.
+Either way the other tap's own modules are loaded, and this version's rest of shardwise (compat,
+comm_theory) serves both:
 
     PYTHONPATH=src python benchmarks/bench_tap.py
-    PYTHONPATH=src python benchmarks/bench_tap.py --against /path/to/main/src/shardwise/telemetry/comm.py
+    PYTHONPATH=src python benchmarks/bench_tap.py --against /path/to/main/src/shardwise/telemetry/comm
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch.distributed import distributed_c10d as c10d
 
 import shardwise
 from shardwise.resilience.flight import FlightRecorder
-from shardwise.telemetry.comm import CommTap
+from shardwise.telemetry.comm.tap import CommTap
 
 
 def _noop(tensor: torch.Tensor, op: object = None, group: object = None,
@@ -47,12 +50,45 @@ def _per_call_us(call: Callable[[], object], calls: int) -> float:
 
 
 def _load_tap(path: str) -> type:
+    """The CommTap of another version: its `telemetry/comm/` package, or the single
+    `telemetry/comm.py` of a version from before the tap was a package."""
+    if Path(path).is_dir():
+        return _load_tap_package(Path(path))
     spec = importlib.util.spec_from_file_location("other_comm", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.CommTap
+
+
+def _load_tap_package(directory: Path) -> type:
+    """The other package's modules import each other by their full names
+    (`shardwise.telemetry.comm.calls`, ...): they are loaded under those names while this
+    version's are set aside, which are put back once the other tap is loaded."""
+    package = "shardwise.telemetry.comm"
+    parent = sys.modules["shardwise.telemetry"]
+
+    def ours() -> dict[str, object]:
+        return {name: module for name, module in sys.modules.items()
+                if name == package or name.startswith(package + ".")}
+
+    mine, attribute = ours(), parent.comm
+    for name in mine:
+        del sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location(
+            package, directory / "__init__.py", submodule_search_locations=[str(directory)])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[package] = module
+        spec.loader.exec_module(module)
+        return importlib.import_module(f"{package}.tap").CommTap
+    finally:
+        for name in ours():
+            del sys.modules[name]
+        sys.modules.update(mine)
+        parent.comm = attribute
 
 
 def _against(other: type, blocks: int, calls: int, tensor: torch.Tensor,
@@ -81,7 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--against", help="another version's telemetry/comm.py to compare with")
+    parser.add_argument("--against", help="another version's telemetry/comm package (or, from "
+                        "before it was one, its telemetry/comm.py) to compare with")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

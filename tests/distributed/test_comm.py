@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.telemetry.comm import CommTap, _union_length
+from shardwise.telemetry.comm.tap import CommTap
+from shardwise.telemetry.comm.totals import _union_length
 from shardwise.telemetry.comm_theory import ring_fraction as wire_factor
 from tests.support.ranks import run_ranks
 from tests.support.specs import tiny_spec

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from shardwise.resilience.flight import FlightRecorder, read_flight
-from shardwise.telemetry.comm import BackendDeviceError, CommTap
+from shardwise.telemetry.comm.backends import BackendDeviceError
+from shardwise.telemetry.comm.tap import CommTap
 from shardwise.telemetry.peak import gpu_peak, measure_gpu_matmul_flops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

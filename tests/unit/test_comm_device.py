@@ -23,7 +23,8 @@ from torch.distributed import _functional_collectives as funcol
 from shardwise.resilience.flight import FlightRecorder, read_flight
 from shardwise.resilience.watchdog import Watchdog
 from shardwise.run.monitors import Monitors, StepSample
-from shardwise.telemetry.comm import BackendDeviceError, CommTap, devices_served
+from shardwise.telemetry.comm.backends import BackendDeviceError, devices_served
+from shardwise.telemetry.comm.tap import CommTap
 from shardwise.telemetry.straggler import StragglerDetector
 
 
@@ -382,9 +383,9 @@ def test_devices_served_by_backend_name():
 
 
 def test_many_pending_timings_make_the_step_end_wait_for_the_device(world1, monkeypatch):
-    import shardwise.telemetry.comm as comm
+    import shardwise.telemetry.comm.tap as tap_mod
 
-    monkeypatch.setattr(comm, "MAX_PENDING", 2)
+    monkeypatch.setattr(tap_mod, "MAX_PENDING", 2)
     # device time = host time: every call's end event completes 0.2 s after the clock started
     clock = FakeClock([0.0, 0.2] * 4, speed=1.0)
     tap = _tap(world1, clock)

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.compat import TorchPatches, functional_collectives
 from shardwise.models.deferred import record_build
-from shardwise.telemetry.comm import CommTap
+from shardwise.telemetry.comm.tap import CommTap
 
 
 def torch_state() -> dict[str, int]:

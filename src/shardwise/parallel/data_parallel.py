@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardwise.compat import _StridedShard
 from shardwise.parallel.collectives import all_gather_flat
 from shardwise.parallel.precision import compute_dtype
-from shardwise.telemetry.comm import ddp_comm_hook
+from shardwise.telemetry.comm.ddp_hook import ddp_comm_hook
 
 # set by expert parallel (parallel/expert.py) on an expert module whose weights ZeRO shards over
 # the expert data-parallel ranks: the DeviceMesh of those ranks

@@ -27,7 +27,9 @@ from shardwise.resilience.hang import Diagnosis
 from shardwise.resilience.watchdog import Watchdog
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
-from shardwise.telemetry.comm import CommTap, OpTotals, StepComm, axes_of
+from shardwise.telemetry.comm.groups import axes_of
+from shardwise.telemetry.comm.tap import CommTap
+from shardwise.telemetry.comm.totals import OpTotals, StepComm
 from shardwise.telemetry.energy import EnergyMeter, energy_fields
 from shardwise.telemetry.straggler import StragglerDetector
 from shardwise.telemetry.trace import StepTrace
