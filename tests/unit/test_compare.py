@@ -297,3 +297,46 @@ def test_bad_input_is_one_paragraph(case, tmp_path, capsys):
                 "no-manifest": "has no manifest.json", "twice": "given twice",
                 "noise-zero": "--noise 0", "negative-price": "--price -1"}[case]
     assert expected in flat(err)
+
+
+def test_runs_without_a_spec_are_not_taken_for_one_job(tmp_path):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    for run in (a, b):
+        (run / "spec.toml").unlink()
+    c = compare_runs([load_run_data(str(a), require_record=False),
+                      load_run_data(str(b), require_record=False)])
+    assert len(c.sides) == 2 and not c.controlled
+    assert [d.name for d in c.pair_blocking(1)] == ["spec"]
+    assert c.verdicts[0].startswith("B vs A: no winner called — the runs differ in spec")
+
+
+def test_the_report_summary_shows_target_energy_and_audit(tmp_path, capsys):
+    run = write_run(tmp_path / "a", losses=[6.0, 5.4, 5.0, 4.8], energy=[20.0] * 8,
+                    end={"target_loss": 5.2})
+    (run / "audit.json").write_text(json.dumps({
+        "passed": False, "exact": [{"held_out": 0, "trained": 5, "similarity": 1.0}], "near": [],
+        "held_out": {"sequences": 371, "evaluated": 8, "repeats_within": 0}}))
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    html = (run / "report" / "index.html").read_text()
+
+    def row(label: str) -> str:
+        return html.split(f"<th>{label}</th><td>")[1].split("</td>")[0]
+
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    hit = next(e for e in events if e["kind"] == "eval" and e["val_loss"] <= 5.2)
+    seconds = hit["time"] - events[0]["time"]
+    assert row("target loss") == f"5.2 at step 6 (6,144 tokens, {seconds:.1f} s of training)"
+    assert row("energy") == f"0.16 kJ (rapl), {1000 * 160 / 8192:.3f} mJ/token"
+    assert row("leakage audit") == "FAIL: 1 exact, 0 near-duplicates among 371 held-out sequences"
+    (run / "audit.json").unlink()
+    missed = write_run(tmp_path / "b", end={"target_loss": 1.0})
+    lines = [json.loads(x) for x in (missed / "metrics.jsonl").read_text().splitlines()]
+    lines.insert(1, ev("energy", 1, 0.1, source=None, note="no RAPL counters on this host"))
+    (missed / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert main(["report", str(missed)]) == 0
+    capsys.readouterr()
+    html = (missed / "report" / "index.html").read_text()
+    assert row("target loss") == "1 not reached (best 4.9000)"
+    assert row("energy") == "not measurable here: no RAPL counters on this host"
+    assert row("leakage audit") == f"not run (shardwise audit {missed})"

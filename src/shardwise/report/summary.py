@@ -58,7 +58,57 @@ def _summary(run: Run) -> dict[str, str]:
         "checkpoints": (f"{len(checkpoints)}, {sum(saves):.2f} s saving" if saves
                         else str(len(checkpoints))),
         "expert balance": _experts(last_step),
+        "target loss": _target(run, end),
+        "energy": _energy(run, tokens),
+        "leakage audit": _audit(run),
     }
+
+
+def _target(run: Run, end: dict[str, Any]) -> str:
+    """When the run first reached `eval.target_loss` (recorded in run_end), in steps, tokens and
+    training time."""
+    target = num(end, "target_loss")
+    if target is None:
+        return MISSING
+    from shardwise.compare.figures import Timeline, eval_points
+
+    points = eval_points(run, Timeline(run))
+    hit = next((p for p in points if p.loss <= target), None)
+    if hit is None:
+        best = min((p.loss for p in points), default=None)
+        return f"{target:g} not reached" + (f" (best {best:.4f})" if best is not None else "")
+    tokens = f"{hit.tokens:,.0f} tokens, " if hit.tokens is not None else ""
+    return f"{target:g} at step {hit.step} ({tokens}{hit.seconds:.1f} s of training)"
+
+
+def _energy(run: Run, tokens: float | None) -> str:
+    """Measured energy (the step events' energy_j), or why there is none."""
+    joules = [v for e in run.of("step") if finite(v := num(e, "energy_j"))]
+    if joules:
+        total = sum(joules)
+        sources = sorted({str(e["energy_source"]) for e in run.of("step") if e.get("energy_source")})
+        per_token = f", {1000 * total / tokens:.3f} mJ/token" if finite(tokens) and tokens else ""
+        return f"{total / 1000:,.2f} kJ ({'+'.join(sources)}){per_token}"
+    said = [e for e in run.of("energy") if e.get("note")]
+    return f"not measurable here: {said[-1]['note']}" if said else MISSING
+
+
+def _audit(run: Run) -> str:
+    """The verdict of `shardwise audit` on this run (RUN_DIR/audit.json), if it was run."""
+    import json
+
+    path = run.run_dir / "audit.json"
+    if not path.is_file():
+        return f"not run (shardwise audit {run.run_dir})"
+    try:
+        result = json.loads(path.read_text())
+        exact, near = len(result["exact"]), len(result["near"])
+        held = result["held_out"]["sequences"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return "audit.json unreadable: run `shardwise audit` again"
+    found = f"{exact} exact, {near} near-duplicate{'s' if near != 1 else ''}"
+    return (f"PASS: {found} among {held:,} held-out sequences" if result.get("passed")
+            else f"FAIL: {found} among {held:,} held-out sequences")
 
 
 def _experts(step_event: dict[str, Any]) -> str:
