@@ -1,5 +1,5 @@
-"""Build a model on the meta device, then give each rank only the tensors it keeps, with the
-values the eager CPU build gives, bit for bit.
+"""Record a model's build on the meta device: what it did, so that any of its tensors can be
+rebuilt on a CPU (`record_build`), or why it cannot be (`CannotDefer`).
 
 **Record.** The builder runs under `torch.device("meta")` inside a dispatch mode that logs every
 aten op touching a meta tensor (no memory, no real init). Tensors are identified by their storage
@@ -12,20 +12,6 @@ draws random numbers (`torch.Tag.nondeterministic_seeded`) the CPU generator's s
 before it, and the same op is run on a real CPU scratch tensor of the same geometry, so the
 generator advances exactly as it would in the eager build; the scratch is one reused buffer
 (`_Pool`), so the recording's peak memory is one tensor, not the model.
-
-**Replay.** A storage at a version is rebuilt on the CPU from its events: the creation op (meta
-device replaced by cpu), then the in-place ops on views of the buffer, tensor arguments from
-other storages rebuilt (recursively) at the version the op saw, random ops run from their saved
-generator state. A write that overwrites the whole storage without reading it (`normal_`,
-`fill_`, `copy_`, ...) makes the events before it dead, so replay starts there. Intermediates
-(tensors no parameter or buffer is) are cached up to a byte budget; parameters are rebuilt when
-asked for, in one reused buffer. Peak memory: the largest tensor plus its dependencies.
-
-**Materialise** (`materialize`, after the model is split and sharded): `to_empty` on the target
-device (parameters swapped in place, so tied parameters stay one object; FSDP2 re-points its
-sharded storage in its `_apply`), then every local tensor is filled from its replayed full
-value: a DTensor with the slice of the global tensor this rank holds (any Shard / Replicate on
-any mesh, uneven shards included), a plain tensor with the whole value.
 
 **Values the builder reads** (`.item()`, `bool(t)`, `.to("cpu")`, the rejection loop of
 `trunc_normal_`): the op runs for real on its inputs rebuilt from the record, so the builder sees
@@ -47,9 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,15 +43,26 @@ from shardwise.compat import (
     TensorBase,
     TorchDispatchMode,
     TorchPatches,
-    compute_local_shape_and_global_offset,
     tree_flatten,
     tree_leaves,
     tree_map,
 )
+from shardwise.models.deferred.buffers import _Pool, _scratch, _view
+from shardwise.models.deferred.record import (
+    CannotDefer,
+    InitRecord,
+    Ref,
+    _Call,
+    _Const,
+    _dense_prefix,
+    _Event,
+    _extent,
+    _Gen,
+    _numel,
+    _Storage,
+)
+from shardwise.models.deferred.replay import _Replayer
 
-__all__ = ["CannotDefer", "InitRecord", "Ref", "materialize", "record_build"]
-
-CACHE_BYTES = 64 << 20  # intermediates kept between replays (rotary tables, QR factors, ...)
 MAX_DEPTH = 400  # a longer chain of dependent storages is not replayed (recursion)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _INIT_FILE = os.path.join(_TORCH_DIR, "nn", "init.py")
@@ -81,79 +76,10 @@ _METADATA = {"aten::is_same_size", "aten::size", "aten::stride", "aten::numel", 
              "aten::sym_storage_offset"}
 
 
-class CannotDefer(Exception):
-    """The build cannot be recorded faithfully; the message says why."""
-
-
 class _NeedsValues(BaseException):  # a BaseException: a builder's `except Exception` lets it by
     """Raised inside the builder when it reads a value from a meta tensor."""
 
 
-@dataclass(frozen=True)
-class Ref:
-    """A tensor as an op saw it: a storage at a version, and the tensor's geometry in it."""
-
-    storage: int
-    version: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _Const:
-    index: int  # into InitRecord.constants (a CPU tensor an op read, cloned when it was read)
-
-
-@dataclass(frozen=True)
-class _Gen:
-    state: torch.Tensor  # an explicit generator's state before the op
-
-
-@dataclass
-class _Call:
-    func: Any  # torch._ops.OpOverload
-    args: Any
-    kwargs: Any
-    rng: torch.Tensor | None  # the default CPU generator's state before the op (random ops)
-    writes: frozenset[int]  # storages the op mutates
-    geometry_only: bool  # reads its tensor inputs' metadata only (*_like, new_*)
-
-
-@dataclass
-class _Event:
-    call: _Call | None
-    out: int = -1  # creation: index of the output among the op's flattened outputs
-    geometry: tuple | None = None  # creation: (size, stride, offset) of that output
-    poison: str = ""  # why this storage cannot be rebuilt
-
-
-@dataclass
-class _Storage:
-    nbytes: int
-    events: list[_Event] = field(default_factory=list)
-    restarts: list[int] = field(default_factory=list)  # events that overwrite it all
-    depth: int = 1
-
-
-@dataclass
-class InitRecord:
-    """What the meta build did, to rebuild any of the model's tensors on a CPU; or, for a model
-    built eagerly (`deferred` False), why (`fallback`, empty when eager was asked for)."""
-
-    deferred: bool
-    storages: list[_Storage] = field(default_factory=list)
-    constants: list[torch.Tensor] = field(default_factory=list)
-    finals: dict[str, Ref] = field(default_factory=dict)  # parameter / buffer FQN -> its value
-    fallback: str = ""
-
-    @classmethod
-    def eager(cls, reason: str = "") -> InitRecord:
-        return cls(deferred=False, fallback=reason)
-
-
-# --- recording ----------------------------------------------------------------------------------
 def record_build(build: Callable[[], nn.Module], patches: TorchPatches | None = None
                  ) -> tuple[nn.Module, InitRecord]:
     """Run `build()` on the meta device and record how to rebuild its parameters and buffers.
@@ -397,66 +323,6 @@ class _Recorder(TorchDispatchMode):
             self._pool.release()
 
 
-def _numel(size: Sequence[int]) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
-
-
-def _dense_prefix(ref: Ref) -> bool:
-    """Contiguous (row-major) geometry."""
-    expected = 1
-    for size, stride in zip(reversed(ref.size), reversed(ref.stride), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _extent(ref: Ref) -> int:
-    """Bytes of storage a tensor of this geometry reaches."""
-    if _numel(ref.size) == 0:
-        return ref.offset * ref.dtype.itemsize
-    last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=True))
-    return (last + 1) * ref.dtype.itemsize
-
-
-def _view(storage: torch.UntypedStorage, ref: Ref) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype, device="cpu").set_(storage, ref.offset, ref.size,
-                                                              ref.stride)
-
-
-def _scratch(ref: Ref) -> torch.Tensor:
-    return _view(torch.UntypedStorage(_extent(ref), device="cpu"), ref)
-
-
-class _Pool:
-    """One reusable host buffer for the big short-lived tensors: the scratch of random ops while
-    recording, each replayed parameter while materialising. Allocating and freeing one buffer
-    per tensor, with the record's small long-lived allocations (generator states) landing in the
-    freed holes, fragmented glibc's heap: 0.5-1.1 GB of peak RSS for a 0.66 GB model, varying
-    run to run (measured, benchmarks/bench_init.py); with the pool the peak is the largest
-    tensor."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.UntypedStorage | None = None
-        self._busy = False
-
-    def take(self, nbytes: int) -> torch.UntypedStorage | None:
-        """The buffer, at least `nbytes` long; None while it is taken."""
-        if self._busy:
-            return None
-        if self._buffer is None or self._buffer.nbytes() < nbytes:
-            self._buffer = None  # free the smaller one first
-            self._buffer = torch.UntypedStorage(nbytes, device="cpu")
-        self._busy = True
-        return self._buffer
-
-    def release(self) -> None:
-        self._busy = False
-
-
 class _TensorLiterals(torch.overrides.TorchFunctionMode):
     """`torch.tensor([...])` and friends under the meta device make a meta tensor without any op
     the dispatcher sees; made on the CPU and copied to meta, their values are recorded."""
@@ -513,209 +379,3 @@ def _is_meta_as_eager(patches: TorchPatches) -> Iterator[None]:
         patches.set(torch.Tensor, "is_meta", property(is_meta))
         yield
 
-
-# --- replay -------------------------------------------------------------------------------------
-class _Replayer:
-    """Rebuilds storages of a record on the CPU."""
-
-    def __init__(self, record: InitRecord, budget: int = CACHE_BYTES) -> None:
-        self.record = record
-        self.budget = budget
-        self._cache: OrderedDict[tuple[int, int], torch.UntypedStorage] = OrderedDict()
-        self._cached_bytes = 0
-        self._finals = {r.storage for r in record.finals.values()}
-
-    def value(self, ref: Ref) -> torch.Tensor:
-        """The tensor `ref` names, rebuilt (treat as read-only: it may be cached)."""
-        return _view(self.storage_at(ref.storage, ref.version), ref)
-
-    @contextlib.contextmanager
-    def final(self, ref: Ref, pool: _Pool) -> Iterator[torch.Tensor]:
-        """`value(ref)`, rebuilt in `pool`'s buffer when it starts from a whole overwrite (valid
-        inside the `with` only)."""
-        try:
-            yield _view(self.storage_at(ref.storage, ref.version, pool), ref)
-        finally:
-            pool.release()
-
-    def problem(self, sid: int, version: int, _seen: set | None = None) -> str:
-        """Why storage `sid` at `version` cannot be rebuilt ("" if it can)."""
-        seen = _seen if _seen is not None else set()
-        if (sid, version) in seen:
-            return ""
-        seen.add((sid, version))
-        rec = self.record.storages[sid]
-        for k in range(self._start(rec, version), version):
-            event = rec.events[k]
-            if event.poison:
-                return event.poison
-            for ref in _refs(event.call):
-                if ref.storage != sid:
-                    found = self.problem(ref.storage, ref.version, seen)
-                    if found:
-                        return found
-        return ""
-
-    @staticmethod
-    def _start(rec: _Storage, version: int) -> int:
-        starts = [k for k in rec.restarts if k < version]
-        return starts[-1] if starts else 0
-
-    def storage_at(self, sid: int, version: int,
-                   pool: _Pool | None = None) -> torch.UntypedStorage:
-        key = (sid, version)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        rec = self.record.storages[sid]
-        start = self._start(rec, version)
-        if version == 0:
-            raise CannotDefer("a tensor is read before anything wrote it")
-        storage = None
-        if start > 0:
-            storage = pool.take(rec.nbytes) if pool is not None else None
-            if storage is None:
-                storage = torch.UntypedStorage(rec.nbytes, device="cpu")
-            else:
-                key = None  # pooled: never cached
-        for k in range(start, version):
-            event = rec.events[k]
-            if event.poison:
-                raise CannotDefer(event.poison)
-            assert event.call is not None
-            if event.out >= 0:
-                storage = self._create(event, rec, sid)
-            else:
-                assert storage is not None
-                self._run(event.call, live=(sid, storage))
-        assert storage is not None
-        if key is not None:
-            self._remember(key, storage)
-        return storage
-
-    def _create(self, event: _Event, rec: _Storage, sid: int) -> torch.UntypedStorage:
-        assert event.call is not None and event.geometry is not None
-        outs, _ = tree_flatten(self._run(event.call))
-        out = outs[event.out]
-        size, stride, offset = event.geometry
-        same = (tuple(out.shape) == size and tuple(out.stride()) == stride
-                and out.storage_offset() == offset and out.untyped_storage().nbytes() == rec.nbytes)
-        if same:
-            storage = out.untyped_storage()
-        else:  # the CPU kernel laid it out otherwise than the meta kernel: copy it as recorded
-            storage = torch.UntypedStorage(rec.nbytes, device="cpu")
-            _view(storage, Ref(sid, 0, size, stride, offset, out.dtype)).copy_(out)
-        return storage
-
-    def _run(self, call: _Call, live: tuple[int, torch.UntypedStorage] | None = None) -> Any:
-        memo: dict[tuple[int, int], torch.UntypedStorage] = {}
-
-        def materialise(x):
-            if isinstance(x, Ref):
-                if live is not None and x.storage == live[0]:
-                    return _view(live[1], x)
-                if call.geometry_only:
-                    return _scratch(x)
-                key = (x.storage, x.version)
-                if key not in memo:
-                    memo[key] = self.storage_at(*key)
-                    if x.storage in call.writes:  # another storage this op mutates: a copy
-                        copy = torch.UntypedStorage(memo[key].nbytes(), device="cpu")
-                        copy.copy_(memo[key])
-                        memo[key] = copy
-                return _view(memo[key], x)
-            if isinstance(x, _Const):
-                return self.record.constants[x.index]
-            if isinstance(x, _Gen):
-                g = torch.Generator(device="cpu")
-                g.set_state(x.state)
-                return g
-            return x
-
-        args, kwargs = tree_map(materialise, call.args), tree_map(materialise, call.kwargs)
-        if call.rng is None:
-            return call.func(*args, **kwargs)
-        saved = torch.get_rng_state()
-        torch.set_rng_state(call.rng)
-        try:
-            return call.func(*args, **kwargs)
-        finally:
-            torch.set_rng_state(saved)
-
-    def _remember(self, key: tuple[int, int], storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
-        if key[0] in self._finals or nbytes > self.budget // 4:
-            return
-        self._cache[key] = storage
-        self._cached_bytes += nbytes
-        while self._cached_bytes > self.budget:
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= dropped.nbytes()
-
-
-def _refs(call: _Call | None) -> list[Ref]:
-    if call is None:
-        return []
-    return [x for x in tree_leaves((call.args, call.kwargs)) if isinstance(x, Ref)]
-
-
-# --- materialising ------------------------------------------------------------------------------
-@torch.no_grad()
-def materialize(modules: Sequence[nn.Module], record: InitRecord,
-                device: torch.device | str) -> None:
-    """Allocate the meta tensors of `modules` (a model, or the pipeline stages a rank holds,
-    already split and sharded) on `device` and fill each with its share of the recorded value."""
-    replayer, pool = _Replayer(record), _Pool()
-    for module in modules:
-        _to_empty(module, torch.device(device))
-        done: set[int] = set()
-        for name, t in [*module.named_parameters(remove_duplicate=False),
-                        *module.named_buffers(remove_duplicate=False)]:
-            if id(t) in done:
-                continue
-            done.add(id(t))
-            ref = record.finals.get(name)
-            if ref is None:
-                raise RuntimeError(f"materialize: {name} is not a tensor the recorded build made")
-            with replayer.final(ref, pool) as full:
-                _fill(name, t, full)
-
-
-def _to_empty(module: nn.Module, device: torch.device) -> None:
-    """`module.to_empty(device)` keeping tied tensors one object: parameters are swapped in place
-    (torch's `swap_module_params_on_conversion`), buffers shared by several modules re-shared."""
-    shared: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in module.modules():
-        for key, buf in mod._buffers.items():
-            if buf is not None:
-                shared.setdefault(id(buf), []).append((mod, key))
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        module.to_empty(device=device)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-    for holders in shared.values():
-        first_mod, first_key = holders[0]
-        for mod, key in holders[1:]:
-            mod._buffers[key] = first_mod._buffers[first_key]
-
-
-def _fill(name: str, t: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if tuple(full.shape) != tuple(t.shape):
-        raise RuntimeError(f"materialize: {name} has shape {tuple(t.shape)}, the recorded build "
-                           f"made {tuple(full.shape)}")
-    if isinstance(t, DTensor):
-        local = t._local_tensor
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
-                                                              t.placements)
-        if tuple(shape) != tuple(local.shape):
-            raise RuntimeError(f"materialize: {name}'s local shard is {tuple(local.shape)}, its "
-                               f"placements {t.placements} give {tuple(shape)}")
-        if local.numel():
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-            local.copy_(full[index])
-    else:
-        t.copy_(full)
