@@ -130,3 +130,27 @@ def test_an_uncontrolled_pair_is_refused(runs, capsys, other, field):
     assert "NOT CONTROLLED" in out and f"{field}" in out and "no winner called" in out
     page = (runs / f"cmp-{other}" / "index.html").read_text()
     assert "Not controlled" in page and field in page
+
+
+HF = ["run.steps=4", "eval.every=2", "eval.batches=1", "log.every=1", "log.progress=false",
+      "log.tensorboard=false", "checkpoint.enabled=false", "sample.tokens=0", "data.seq_len=32",
+      "batch.micro_batch=2", "parallel.timeout_s=60"]
+
+
+@pytest.mark.grid
+@pytest.mark.timeout(600)
+def test_a_hugging_face_model_compares_and_audits(small_corpus, tmp_path, capsys):
+    """examples/hf_llama.toml (transformers, offline) on one process and on ZeRO-3 over two:
+    a controlled comparison of layouts, and an audit that passes."""
+    pytest.importorskip("transformers")
+    from tests.support.specs import ROOT
+
+    base = [f'data.source="{small_corpus}"', *HF]
+    train_many(ROOT / "examples" / "hf_llama.toml", tmp_path,
+               {"hf-1": [*base, "parallel.nproc=1"], "hf-2": [*base, "parallel.nproc=2"]})
+    code, out = compare(str(tmp_path / "hf-1"), str(tmp_path / "hf-2"), "--json", capsys=capsys)
+    result = json.loads(out)
+    assert code == 0 and result["controlled"] is True
+    assert {d["name"] for d in result["differences"]} >= {"parallel.nproc", "topology.layout"}
+    assert main(["audit", str(tmp_path / "hf-1")]) == 0
+    assert "audit: PASS" in capsys.readouterr().out

@@ -99,3 +99,22 @@ def test_a_bad_world_list_is_refused_before_training(config, tmp_path, capsys, w
     _, err = capsys.readouterr()
     assert_user_error((code, "", err), needle)
     assert not (out / "world-1" / "metrics.jsonl").exists()  # nothing trained
+
+
+@pytest.mark.grid
+@pytest.mark.timeout(600)
+def test_a_hugging_face_model_scales(small_corpus, tmp_path):
+    """examples/hf_llama.toml (transformers, offline) at 1 and 2 workers."""
+    pytest.importorskip("transformers")
+    from tests.support.specs import ROOT
+
+    sets = [f'data.source="{small_corpus}"', "data.seq_len=32", "batch.micro_batch=2",
+            "eval.every=2", "eval.batches=1", "log.every=1", "log.progress=false",
+            "log.tensorboard=false", "checkpoint.enabled=false", "sample.tokens=0"]
+    proc = shardwise("scale", str(ROOT / "examples" / "hf_llama.toml"), "--world", "1,2",
+                     "--steps", "4", *(a for s in sets for a in ("--set", s)), "--out",
+                     str(tmp_path / "study"), cwd=tmp_path, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads((tmp_path / "study" / "scale.json").read_text())["points"]
+    assert [p["world"] for p in points] == [1, 2] and all(p["tokens_per_s"] for p in points)
+    assert points[0]["efficiency"] == 1.0
