@@ -15,6 +15,7 @@ import pytest
 from shardwise.spec import reference
 from shardwise.spec.cluster import ClusterSpec
 from shardwise.spec.failure import Fault
+from shardwise.spec.field_notes import FIELD_NOTES
 from shardwise.spec.model import FAMILY_FIELDS, BuilderFields, ModelSection
 from shardwise.spec.runspec import PRECISIONS, RunSpec
 
@@ -74,11 +75,11 @@ def test_every_field_is_described():
     """A new field needs a comment next to it in the source (or a line in FIELD_NOTES)."""
     assert reference.missing_docs() == [], (
         "these fields have no description: add a comment next to each field in the source "
-        "(or a line in shardwise.spec.reference.FIELD_NOTES), then regenerate docs/runspec.md")
+        "(or a line in shardwise.spec.field_notes.FIELD_NOTES), then regenerate docs/runspec.md")
 
 
 def test_field_notes_name_real_fields():
-    stale = set(reference.FIELD_NOTES) - reference.note_keys()
+    stale = set(FIELD_NOTES) - reference.note_keys()
     assert not stale, f"FIELD_NOTES describes fields that do not exist: {sorted(stale)}"
 
 
