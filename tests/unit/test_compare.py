@@ -310,6 +310,17 @@ def test_runs_without_a_spec_are_not_taken_for_one_job(tmp_path):
     assert c.verdicts[0].startswith("B vs A: no winner called — the runs differ in spec")
 
 
+def test_a_damaged_spec_fails_compare_but_not_report(tmp_path, capsys):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    (b / "spec.toml").write_text("[run]\nsteps = 'many'\n")
+    code, out, err = run_cli(str(a), str(b), capsys=capsys)
+    assert code == 2 and out == "" and f"cannot read {b / 'spec.toml'}" in flat(err)
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "page")]) == 0
+    capsys.readouterr()
+    page = (tmp_path / "page" / "index.html").read_text()
+    assert "Not controlled" in page and "no spec.toml" in page
+
+
 def test_the_report_summary_shows_target_energy_and_audit(tmp_path, capsys):
     run = write_run(tmp_path / "a", losses=[6.0, 5.4, 5.0, 4.8], energy=[20.0] * 8,
                     end={"target_loss": 5.2})

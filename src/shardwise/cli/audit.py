@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--threshold {args.threshold}: it is a share of a sequence's shingles; "
                         "give a value in (0, 1] (0.5 is the default; 0.9 reports only near-"
                         "complete copies).")
+    if args.shingle < 1:
+        raise UserError(f"--shingle {args.shingle}: a shingle is at least 1 token (8 is the "
+                        "default; longer shingles find only longer copies).")
     from shardwise.study.audit import render, result_dict, run_audit, write_result
 
     audit = run_audit(Path(args.run).expanduser(), args.threshold, args.shingle)

@@ -46,14 +46,27 @@ class RunData:
 
 
 def load_run_data(path_text: str, require_record: bool = True) -> RunData:
-    """Read a run directory. `require_record`: a missing spec.toml or manifest.json is a
-    UserError (the comparison cannot tell what the run was); else it is a note on the run."""
+    """Read a run directory. `require_record`: a missing or unreadable spec.toml or
+    manifest.json is a UserError (the comparison cannot tell what the run was); else it is a
+    note on the run, which then is not taken for the same job as any other (`report A B`)."""
     run = load_run(path_text)  # checks the directory and its metrics.jsonl
-    spec = _read_spec(run.run_dir, require_record)
-    manifest = _read_manifest(run.run_dir, require_record)
+    try:
+        spec = _read_spec(run.run_dir, require_record)
+    except UserError as err:
+        if require_record:
+            raise
+        run.notes.append(str(err))
+        spec = {}
+    try:
+        manifest = _read_manifest(run.run_dir, require_record)
+    except UserError as err:
+        if require_record:
+            raise
+        run.notes.append(str(err))
+        manifest = None
     if not spec:
-        run.notes.append(f"no {SPEC}: what the run was asked to do is unknown, so whether it "
-                         "may be compared with others cannot be checked.")
+        run.notes.append(f"no readable {SPEC}: what the run was asked to do is unknown, so "
+                         "whether it may be compared with others cannot be checked.")
     data = RunData(run.run_dir, spec, manifest, run)
     data.facts = facts_of(data)
     return data
