@@ -23,12 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardwise.models import build_model
-from shardwise.models.plan import ModelPlan, ModelShape, plan_of
-from shardwise.parallel.tensor_parallel import (
-    IGNORE_INDEX,
-    apply_tensor_parallel,
-    vocab_parallel_loss_sum,
-)
+from shardwise.models.plan import IGNORE_INDEX, ModelPlan, ModelShape, plan_of
+from shardwise.parallel.tensor_parallel import apply_tensor_parallel
+from shardwise.parallel.vocab_parallel import vocab_parallel_loss_sum
 from shardwise.spec.model import ModelSection
 from tests.support.ranks import run_ranks
 from tests.support.specs import tiny_spec

@@ -22,8 +22,8 @@ from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.pipeline import Pipeline, forward_only
 from shardwise.parallel.precision import autocast as precision_autocast
 from shardwise.parallel.strategies import Batch, PlainStep, StepStrategy
-from shardwise.parallel.tensor_parallel import vocab_parallel_loss_sum
 from shardwise.parallel.tied import TiedAcrossStages
+from shardwise.parallel.vocab_parallel import vocab_parallel_loss_sum
 
 __all__ = ["Batch", "ParallelModel"]
 

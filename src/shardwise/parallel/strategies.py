@@ -23,8 +23,8 @@ from shardwise.parallel.collectives import all_gather_flat
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.invariant import PairwiseAccumulator, tree_reduce_scatter
 from shardwise.parallel.pipeline import Pipeline
-from shardwise.parallel.tensor_parallel import loss_context
 from shardwise.parallel.tied import TiedAcrossStages
+from shardwise.parallel.vocab_parallel import loss_context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -15,6 +15,10 @@ makes each such module compute with its local shard:
   (`Shard(-1)`); `vocab_parallel_loss_sum` computes the cross entropy on the shards (and torch's
   `loss_parallel` context stays valid for code that calls F.cross_entropy on them).
 
+The collectives between modules (`TPRegion`) are in `tp_collectives.py`, the vocabulary-parallel
+lookup and loss in `vocab_parallel.py`; this module applies the styles and computes with local
+shards.
+
 Why not DTensor's own styles for the compute: every op on a DTensor goes through DTensor's
 dispatch (sharding propagation, redistribution, re-wrapping). At the bench_tp shape a step had
 2,535 of them (1,628 without sequence parallel), ~130 ms of CPU per step on this machine, 1.2–1.6x
@@ -30,25 +34,27 @@ on top (2-D DTensors), and the grad norm and AdamW see DTensor gradients.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.compat import DTensorSpec
-from shardwise.models.plan import IGNORE_INDEX, ModelPlan, PlanError
-from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from shardwise.models.plan import ModelPlan, PlanError
+from shardwise.parallel.tp_collectives import TPRegion, Transform, _GatherWhole, _OwnPart
 
-SEQ_DIM = 1  # activations are (batch, sequence, features)
+# loss_context and vocab_parallel_loss_sum stay importable from here, where callers imported them
+# before they moved to vocab_parallel.py (new code imports them from there)
+from shardwise.parallel.vocab_parallel import (  # noqa: F401
+    VocabLookup,
+    loss_context,
+    vocab_parallel_loss_sum,
+)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh, *,
@@ -167,9 +173,6 @@ def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Pla
 
 
 # --- computing with local shards ----------------------------------------------------------------------
-Transform = Callable[[Any], Any]
-
-
 def _compute_locally(module: nn.Module, region: TPRegion, *, before: Transform | None = None,
                      after: Transform | None = None, late_bias: bool = False,
                      partial: bool = False) -> None:
@@ -287,257 +290,3 @@ class _LocalShard(torch.autograd.Function):
         else:  # a gradient of another layout (set by other code): autograd accumulates it
             return DTensor(grad.contiguous(), copy.copy(ctx.grad_spec), requires_grad=False), None
         return None, None
-
-
-@dataclass
-class TPRegion:
-    """The tensor-parallel group of a model and the collectives between its modules."""
-
-    mesh: DeviceMesh
-    sequence_parallel: bool
-    group: dist.ProcessGroup = field(init=False)
-    size: int = field(init=False)
-    rank: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.group, self.size = self.mesh.get_group(), self.mesh.size()
-        self.rank = self.mesh.get_local_rank()
-
-    _last_input: tuple[torch.Tensor, int, torch.Tensor] | None = field(default=None, init=False)
-
-    def shared_full_input(self, x: torch.Tensor) -> torch.Tensor:
-        """`full_input`, once for column-parallel modules that take the same tensor in a row
-        (q, k and v; the MLP's gate and up projections): one collective for them together, as
-        Megatron's fused QKV does, found by identity whatever the model's modules are called."""
-        last = self._last_input
-        if last is not None and last[0] is x and last[1] == x._version:
-            return last[2]
-        full = self.full_input(x)
-        self._last_input = (x, x._version, full)
-        return full
-
-    def forget_input(self, x: Any) -> Any:
-        """Any other parallel module ends a run of column-parallel modules (and frees the
-        remembered activation)."""
-        self._last_input = None
-        return x
-
-    def full_input(self, x: torch.Tensor) -> torch.Tensor:
-        """A block's input as the full activation: all-gathered along the sequence (sequence
-        parallel) or passed through with an all-reduced gradient (Megatron's f)."""
-        if self.sequence_parallel:
-            return _GatherSequence.apply(x, self.group, self.size)
-        return _CopyToRegion.apply(x, self.group)
-
-    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
-        """A rowwise module's partial output summed over tp: reduce-scattered along the
-        sequence (sequence parallel) or all-reduced."""
-        if self.sequence_parallel:
-            return _ScatterSequence.apply(y, self.group, self.size)
-        return _ReduceFromRegion.apply(y, self.group)
-
-    def vocab_output(self, loss_par: bool) -> Transform:
-        """The output projection's vocabulary-sharded logits: a `Shard(-1)` DTensor for the
-        loss-parallel cross entropy, or all-gathered to the full logits."""
-        if loss_par:
-            return lambda y: DTensor.from_local(y, self.mesh, [Shard(y.dim() - 1)],
-                                                run_check=False)
-        return lambda y: _GatherLast.apply(y, self.group, self.size, self.rank)
-
-
-class VocabLookup:
-    """Vocabulary-parallel embedding: each rank looks up the tokens of its `rows` rows (zeros
-    for the others); the reduction over tp (`reduce_output`) leaves every token's one real row."""
-
-    def __init__(self, region: TPRegion, rows: int) -> None:
-        self.region, self.rows = region, rows
-        self.start = region.rank * rows
-        self.outside: list[torch.Tensor] = []  # per call in flight, for `combine`
-
-    def local_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        local = tokens - self.start
-        outside = (local < 0) | (local >= self.rows)
-        self.outside.append(outside)
-        return local.masked_fill(outside, 0)
-
-    def combine(self, out: torch.Tensor) -> torch.Tensor:
-        out = out.masked_fill(self.outside.pop().unsqueeze(-1), 0.0)
-        return self.region.reduce_output(out)
-
-
-# --- collectives with their autograd duals ----------------------------------------------------------
-def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`."""
-    x = x.contiguous()
-    out = x.new_empty((size, *x.shape))
-    all_gather_flat(out.view(-1), x.view(-1), group)
-    return out.movedim(0, dim).flatten(dim, dim + 1) if dim else out.flatten(0, 1)
-
-
-def _scatter_sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """Chunk `rank` along `dim` of the sum over ranks of `x`."""
-    chunks = x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()
-    out = x.new_empty(chunks.shape[1:])
-    reduce_scatter_flat(out.view(-1), chunks.view(-1), group)
-    return out
-
-
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over ranks, into a new tensor (a gradient handed to backward may be shared with
-    another branch of the graph, so it is never reduced in place)."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather along the sequence; backward: reduce-scatter of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _gather(x, SEQ_DIM, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _scatter_sum(grad, SEQ_DIM, ctx.group, ctx.size), None, None
-
-
-class _GatherWhole(torch.autograd.Function):
-    """Forward: all-gather along the sequence; backward: this rank's part of the gradient (which
-    every rank computed whole and the same, see `_run_on_whole_sequence`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int
-                ) -> torch.Tensor:
-        ctx.size, ctx.rank = size, rank
-        return _gather(x, SEQ_DIM, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.size, SEQ_DIM)[ctx.rank].contiguous(), None, None, None
-
-
-class _OwnPart(torch.autograd.Function):
-    """Forward: this rank's part along the sequence of an output every rank computed whole;
-    backward: all-gather of the parts' gradients."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int
-                ) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return y.chunk(size, SEQ_DIM)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, SEQ_DIM, ctx.group, ctx.size), None, None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Forward: reduce-scatter along the sequence; backward: all-gather of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return _scatter_sum(x, SEQ_DIM, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, SEQ_DIM, ctx.group, ctx.size), None, None
-
-
-class _CopyToRegion(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """Megatron's g: all-reduce forward (in place: its input is a row-parallel matmul's fresh
-    output, which nothing saves for backward), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        if not x.is_contiguous():
-            return _all_reduce(x, group)
-        ctx.mark_dirty(x)
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _GatherLast(torch.autograd.Function):
-    """Forward: all-gather along the last dim (full logits); backward: this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int,
-                rank: int) -> torch.Tensor:
-        ctx.rank, ctx.width = rank, x.shape[-1]
-        return _gather(x, x.dim() - 1, group, size)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width), None, None, None
-
-
-# --- loss parallel ------------------------------------------------------------------------------------
-def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
-    """Where F.cross_entropy on the vocabulary-sharded logits DTensor is valid (torch's
-    loss_parallel), for code that calls it; `vocab_parallel_loss_sum` is the fast path."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over tokens of the cross entropy of vocabulary-sharded logits (a `Shard(-1)` DTensor
-    of shape (..., vocab)), in fp32, as a plain scalar equal on every tp rank — the number
-    `F.cross_entropy(full_logits.float(), targets, reduction="sum")` gives, without gathering
-    the logits and without DTensor's per-op dispatch (torch's loss_parallel: ~2.5 ms more per
-    micro-batch on CPU and three collectives; this: one all-gather of 2 values per token)."""
-    mesh = logits.device_mesh
-    local = logits.to_local()
-    start = mesh.get_local_rank() * local.shape[-1]
-    return _VocabParallelCrossEntropy.apply(local.flatten(0, -2).float(), targets.flatten(),
-                                            start, mesh.get_group(), mesh.size())
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = logsumexp over the whole vocabulary − z_target, with one collective per call:
-    each rank's log-sum-exp over its shard (stable with its own max) and its target logit (0
-    where the target is another rank's) are all-gathered, and every rank combines them —
-    logsumexp over ranks, sum over ranks. Megatron's version all-reduces the max first and
-    then the exp-sums and target logits: two collectives of the same size."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int,
-                group: dist.ProcessGroup, size: int) -> torch.Tensor:
-        peak = logits.max(dim=-1).values
-        exp = (logits - peak.unsqueeze(-1)).exp_()
-        local = targets - start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        picked = logits.gather(-1, index).squeeze(-1).masked_fill(~inside, 0.0)
-        stats = torch.stack([peak + exp.sum(dim=-1).log(), picked])
-        every = stats.new_empty((size, *stats.shape))
-        all_gather_flat(every.view(-1), stats.view(-1), group)
-        lse = torch.logsumexp(every[:, 0], dim=0)
-        valid = targets != IGNORE_INDEX
-        softmax = exp.mul_((peak - lse).exp_().unsqueeze(-1))  # exp(z - lse)
-        ctx.save_for_backward(softmax, index, inside & valid, valid)
-        return ((lse - every[:, 1].sum(dim=0)) * valid).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, index, hit, valid = ctx.saved_tensors
-        g = softmax * (grad * valid).unsqueeze(-1)
-        g.scatter_add_(-1, index, -(grad * hit).unsqueeze(-1).to(g.dtype))
-        return g, None, None, None, None
