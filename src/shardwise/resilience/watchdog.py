@@ -101,7 +101,7 @@ class Watchdog:
 
 def _claim(lock: Path) -> bool:
     try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask decides
         return True
     except FileExistsError:
         return False

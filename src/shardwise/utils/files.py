@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call `write(tmp)` then rename tmp over `path`, so readers see the old file or the new one."""
+    """Call `write(tmp)` then rename tmp over `path`, so readers see the old file or the new one.
+    The file gets the mode every file shardwise writes gets: 0o666 less the umask, like the
+    checkpoint shards beside it (`tempfile.mkstemp` would make it 0600, unreadable to the
+    other users of a shared run directory or cache)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _create_beside(path)
     try:
         write(Path(tmp))
         with open(tmp, "rb+") as f:
@@ -24,6 +26,18 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _create_beside(path: Path) -> str:
+    """A new empty file with a unique hidden name in `path`'s folder, created with mode 0o666
+    (the kernel applies the umask)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return str(tmp)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
