@@ -220,20 +220,24 @@ def verdict(c: Comparison, i: int) -> str:
 
 
 def _speed(c: Comparison, i: int) -> tuple[str, str]:
-    """("faster" | "slower" | "none", what decided it) for side i against the baseline."""
+    """("faster" | "slower" | "none", what decided it) for side i against the baseline: time to
+    target where both reached it and it could be judged, else throughput."""
     time = c.row("time_to_target")
+    said = ""
     if time is not None and time.stats[0] is not None and time.stats[i] is not None \
             and time.texts[0] is None and time.texts[i] is None:
         v = time.verdicts[i]
-        state = "faster" if v.startswith("faster") else "slower" if v.startswith("slower") \
-            else "none"
-        return state, f"time to target {v}"
+        if not v.startswith("not separable"):
+            state = "faster" if v.startswith("faster") else "slower" if v.startswith("slower") \
+                else "none"
+            return state, f"time to target {v}"
+        said = f"time to target {v}; "
     tput = c.row("tokens_per_s")
     if tput is None or tput.stats[0] is None or tput.stats[i] is None:
-        return "none", "throughput not recorded"
+        return "none", said + "throughput not recorded"
     v = tput.verdicts[i]
     state = v if v in ("faster", "slower") else "none"
-    return state, f"throughput {tput.relative(i) or 0.0:+.1%} ({v})"
+    return state, said + f"throughput {tput.relative(i) or 0.0:+.1%} ({v})"
 
 
 __all__ = ["OTHER", "Comparison", "Side", "compare_runs", "group_sides", "verdict"]
