@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR",
                    help="where to write index.html and comparison.json (default: "
                         "FIRST_RUN_DIR/compare)")
+    p.add_argument("--no-page", action="store_true",
+                   help="only print: write no index.html and comparison.json (read-only runs, "
+                        "scripts)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(handler=run)
 
@@ -72,13 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise UserError(problem)
     comparison = compare_runs(runs, args.allow, args.target_loss, args.noise, args.price)
-    out = Path(args.out).expanduser() if args.out else runs[0].path / "compare"
-    page = _write_outputs(comparison, out)
+    if args.no_page and args.out:
+        raise UserError("--no-page writes nothing, so --out has nowhere to matter; drop one.")
+    page = None if args.no_page else _write_outputs(
+        comparison, Path(args.out).expanduser() if args.out else runs[0].path / "compare")
     if args.json:
         print(json.dumps(as_dict(comparison), indent=2, default=str))
     else:
         print(render(comparison))
-        print(f"report: {page}")
+        if page is not None:
+            print(f"report: {page}")
     for r in runs:
         for note in r.run.notes:
             print(f"note: {r.name}: {note}", file=sys.stderr)
