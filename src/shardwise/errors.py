@@ -21,3 +21,10 @@ def show(value: object, limit: int = 80) -> str:
     the user wrote so they can find it, and stays one readable paragraph when that was long."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 6]} ... {text[-2:]}"
+
+
+def brief(err: BaseException, limit: int = 240) -> str:
+    """"TypeName: its message" on one line, cut to about `limit` characters: what someone else's
+    code (a builder, transformers, botocore) raised, short enough for one paragraph."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text if len(text) <= limit else text[:limit - 4] + ' ...'}"

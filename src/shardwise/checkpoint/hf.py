@@ -24,6 +24,7 @@ from torch import nn
 
 from shardwise.checkpoint.checkpointer import ModelState
 from shardwise.errors import UserError
+from shardwise.models.hf.weights import stored_dtype, tensor_shapes
 from shardwise.models.plan import find_tied
 from shardwise.spec.model import HfFields
 
@@ -35,17 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def file_keys(root: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, over every safetensors file of `root` (headers only)."""
-    keys: dict[str, list[int]] = {}
-    for file in sorted(root.glob("*.safetensors")):
-        with file.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        keys.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return keys
-
-
 def load_pretrained(parts: list[nn.Module], model: HfFields, root: Path,
                     distributed: bool) -> int:
     """Load `root`'s weights into this rank's parts (collective when `distributed`); returns the
@@ -55,7 +45,7 @@ def load_pretrained(parts: list[nn.Module], model: HfFields, root: Path,
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     state = ModelState(parts).state_dict()
-    present = file_keys(root)
+    present = tensor_shapes(root)  # checked headers: a damaged file is a UserError
     tied = [g for part in parts for g in find_tied(part)]
     wanted = _names_to_load(state, present, tied)
     missing = [n for n in wanted if n not in present]
@@ -94,9 +84,7 @@ def export_hf(model: nn.Module, out_dir: Path, model_section: HfFields,
     directory; `dtype` "" keeps the source dtype (fp32 for a model trained from a config)."""
     from safetensors.torch import save_file
 
-    from shardwise.models.hf.source import source_dtype
-
-    source = source_dtype(Path(model_section.hf_path).expanduser()) if model_section.hf_path \
+    source = stored_dtype(Path(model_section.hf_path).expanduser()) if model_section.hf_path \
         else "float32"
     name = dtype or source
     if name not in DTYPES:
@@ -126,10 +114,10 @@ def _copy_tokenizer(model: HfFields, tokenizer_path: Path | None, out_dir: Path)
     if src is not None:
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
-                shutil.copy2(src / name, out_dir / name)
+                shutil.copyfile(src / name, out_dir / name)  # mode: the umask's
                 copied = True
     if not copied and tokenizer_path is not None:
-        shutil.copy2(tokenizer_path, out_dir / "tokenizer.json")
+        shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
         from shardwise.data.tokenizer import EOS
 
         (out_dir / "tokenizer_config.json").write_text(json.dumps(

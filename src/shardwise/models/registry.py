@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +28,10 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.moe import build_moe_gpt
 from shardwise.models.plan import ModelPlan, PlanError, attach_plan, plan_of
 from shardwise.spec.model import GptFields, HfFields, ModelSection, MoeGptFields
-from shardwise.utils.pyfile import file_sha256, load_function
+from shardwise.utils.pyfile import failure_text, file_sha256, load_function
 
 ENTRY_POINTS = "shardwise.models"
+BUILT_IN = ("gpt", "moe-gpt", "hf")
 EXAMPLE = "py:models/mlp.py:build"
 Builder = Callable[..., Any]
 
@@ -83,21 +85,63 @@ def build_deferred(model: ModelSection, vocab_size: int, seq_len: int, seed: int
 def describe_model(model: ModelSection, vocab_size: int, seq_len: int) -> ModelPlan:
     """The model's plan, from a build on the meta device (no memory, no real init): what the
     launcher checks a layout against before any worker starts. A plan that contradicts its
-    model, or a builder that fails, is a UserError naming the model."""
+    model, a builder or a plan method of the user's that fails, or a model with an empty
+    parameter (a width of 0 somewhere) is a UserError naming the model."""
+    with warnings.catch_warnings():  # an empty parameter is refused below, in words
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        built = build_model(model, vocab_size, seq_len, seed=0, device="meta")
     try:
-        return plan_of(build_model(model, vocab_size, seq_len, seed=0, device="meta"))
+        plan = plan_of(built)
     except PlanError as err:
         raise UserError(f"model.family = {model.family!r}: {err}") from None
+    except Exception as err:
+        if model.family in BUILT_IN:
+            raise  # shardwise's own model: a bug, with its traceback
+        declare = getattr(type(built), "shardwise_plan", None)
+        raise UserError(f"model.family = {model.family!r}: the model's shardwise_plan() failed "
+                        f"with {failure_text(err, declare)}. Fix the plan method, or model.args "
+                        "if the plan is computed from them.") from None
+    check_parameters(model, built)
+    return plan
+
+
+def check_parameters(model: ModelSection, built: nn.Module) -> None:
+    """A model to train has parameters, none of them empty: a size of 0 (a width, a head count,
+    a layer count) builds fine and then fails in every worker."""
+    empty = [(name, tuple(p.shape)) for name, p in built.named_parameters() if p.numel() == 0]
+    described = _described_by(model)
+    if empty:
+        name, shape = empty[0]
+        raise UserError(f"model.family = {model.family!r}: parameter {name} has shape {shape}, "
+                        f"no elements ({len(empty)} empty parameter{'s' if len(empty) > 1 else ''}"
+                        f" in all): a size of 0 in {described}? Every width, head count and "
+                        "layer count must be at least 1.")
+    if not any(True for _ in built.parameters()):
+        raise UserError(f"model.family = {model.family!r} built a model with no parameters: "
+                        f"nothing to train. Check {described}.")
+
+
+def _described_by(model: ModelSection) -> str:
+    """Where the sizes of `model` come from, for a message."""
+    if model.family == "hf":
+        return "model.hf_config or model.hf_path's config.json"
+    return "model.args" if model.family not in BUILT_IN else f"the [model] keys of {model.family!r}"
 
 
 def _build_user(model: ModelSection, vocab_size: int) -> nn.Module:
     builder = load_builder(model.family)
     try:
         built = builder(dict(model.args), vocab_size)
-    except (TypeError, ValueError, KeyError) as err:
+    except UserError:
+        raise
+    except Exception as err:  # the user's code: any failure is theirs (a negative width, say)
+        fix = (f"Check model.args ({dict(model.args)}) against what the builder accepts."
+               if "meta" not in str(err) else
+               "The builder must also build on the meta device, where shardwise reads the model's "
+               "plan before any worker starts: make tensors with torch's factories and read no "
+               "tensor's values while building.")
         raise UserError(f"model.family = {model.family!r}: the builder failed with "
-                        f"{type(err).__name__}: {err}. Check model.args ({dict(model.args)}) "
-                        "against the builder's parameters.") from None
+                        f"{failure_text(err, builder)}. {fix}") from None
     plan = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], ModelPlan):
         built, plan = built

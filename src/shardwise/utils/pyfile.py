@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import UserError
+from shardwise.errors import UserError, brief
 
 
 def split_py(value: str, field: str, example: str) -> tuple[Path, str]:
@@ -63,3 +65,23 @@ def file_sha256(value: str, field: str, example: str) -> dict[str, str]:
     """What pins user code for the manifest: the file's path and SHA-256."""
     path, _ = split_py(value, field, example)
     return {"file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def failure_text(err: BaseException, function: Callable[..., Any] | None) -> str:
+    """"RuntimeError: its message (at FILE:LINE, in NAME)": what user code raised, short enough
+    for one paragraph, and the last line of `function`'s own file the error passed through, so
+    the message points at the line to change."""
+    return f"{brief(err)}{_site(err, function)}"
+
+
+def _site(err: BaseException, function: Callable[..., Any] | None) -> str:
+    try:
+        own = Path(inspect.getfile(function)).resolve()  # type: ignore[arg-type]
+    except (TypeError, OSError):
+        return ""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if Path(f.filename).resolve() == own]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {last.filename}:{last.lineno}, in {last.name})"

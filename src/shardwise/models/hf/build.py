@@ -21,11 +21,13 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.errors import UserError
+from shardwise.errors import UserError, brief
 from shardwise.models.hf.adapter import HFCausalLM
 from shardwise.models.hf.attention import install, register
+from shardwise.models.hf.config_checks import check_model_type, check_sizes, where_config
 from shardwise.models.hf.moe import adapt_moe
 from shardwise.models.hf.plan import find_layout, hf_plan
+from shardwise.models.hf.weights import check_weights
 from shardwise.models.plan import PlanError, attach_plan
 from shardwise.spec.model import HfFields
 
@@ -75,6 +77,7 @@ def hf_dir(model: HfFields) -> Path | None:
                         "model.safetensors.index.json). shardwise loads safetensors only, never "
                         "pickled .bin files: convert with save_pretrained(..., "
                         "safe_serialization=True).")
+    check_weights(path)  # a damaged header is refused here, before any worker reads it
     return path
 
 
@@ -84,20 +87,21 @@ def load_config(model: HfFields, vocab_size: int, seq_len: int) -> Any:
     transformers = import_transformers()
     where = "model.hf_path" if model.hf_path else "model.hf_config"
     path = hf_dir(model)
+    table = dict(_config_table(model.hf_config if path is None else str(path), where))
+    model_type = table.pop("model_type", None)
+    if not model_type:
+        raise UserError(f"{where} has no model_type (e.g. \"llama\", \"qwen3\", \"gpt2\"); a "
+                        "config.json from save_pretrained has one.")
+    check_model_type(model_type, where)
+    check_sizes(table, where)
     try:
         if path is not None:
             config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         else:
-            table = _config_table(model.hf_config)
-            table = dict(table)
-            model_type = table.pop("model_type", None)
-            if not model_type:
-                raise UserError("model.hf_config has no model_type (e.g. \"llama\", \"qwen3\", "
-                                "\"gpt2\"); a config.json from save_pretrained has one.")
             table.setdefault("vocab_size", vocab_size)
             config = transformers.AutoConfig.for_model(model_type, **table)
-    except (ValueError, KeyError, OSError, TypeError) as err:
-        raise UserError(f"{where}: transformers cannot read this config ({err}). Check "
+    except Exception as err:  # the user's config: whatever transformers makes of it is theirs
+        raise UserError(f"{where}: transformers cannot read this config ({brief(err)}). Check "
                         "model_type and the field names against the model's config class.") from None
     if vocab_size and config.vocab_size < vocab_size:
         raise UserError(f"{where}: the model's vocab_size ({config.vocab_size}) is smaller than "
@@ -114,20 +118,25 @@ def load_config(model: HfFields, vocab_size: int, seq_len: int) -> Any:
     return config
 
 
-def _config_table(value: Any) -> dict[str, Any]:
+def _config_table(value: Any, where: str) -> dict[str, Any]:
+    """The config as a table: `value` itself, or the JSON of a config.json (or of a folder's)."""
     if isinstance(value, dict):
         return value
     path = Path(str(value)).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise UserError(f"model.hf_config = {value!r} is neither a table nor a config.json file. "
+        raise UserError(f"{where} = {value!r} is neither a table nor a config.json file. "
                         "Give a file path, or a table like { model_type = \"llama\", "
                         "hidden_size = 64, ... }.")
     try:
-        return json.loads(path.read_text())
+        table = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"model.hf_config {path} is not valid JSON: {err}.") from None
+        raise UserError(f"{where}: {path} is not valid JSON: {err}.") from None
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: {path} holds a JSON {type(table).__name__}, not the table of "
+                        "a config (what save_pretrained writes).")
+    return table
 
 
 def build_hf(model: HfFields, vocab_size: int, seq_len: int) -> nn.Module:
@@ -138,8 +147,10 @@ def build_hf(model: HfFields, vocab_size: int, seq_len: int) -> nn.Module:
         with _init_on_meta():
             hf = transformers.AutoModelForCausalLM.from_config(config,
                                                                attn_implementation=register())
-    except ValueError as err:
-        raise UserError(f"transformers cannot build a causal LM from this config: {err}") from None
+    except Exception as err:  # the user's config: a size transformers cannot build with
+        raise UserError(f"{where_config(model)}: transformers cannot build a causal LM from this "
+                        f"config ({brief(err)}). Check its sizes (hidden size, heads, layers) "
+                        "against each other.") from None
     hf.float()
     try:
         adapter = HFCausalLM(hf, find_layout(hf))
