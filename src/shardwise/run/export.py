@@ -1,9 +1,11 @@
 """Export a sharded checkpoint as one consolidated safetensors file any tool can load.
 
-The checkpoint is read with DCP in a single process (no process group), resharded onto a freshly
-built model of the run's spec, and written with safetensors — which holds only tensors and never
-unpickles anything. `config.json` (model shape, vocabulary, sequence length) and the tokenizer are
-written beside it.
+The checkpoint is read with DCP in a single process (no process group) — which unpickles the
+checkpoint's metadata, so export only checkpoints you trust (docs/security.md) — resharded onto a
+freshly built model of the run's spec, and written with safetensors, which holds only tensors: a
+reader of the export never unpickles anything. `config.json` (model shape, vocabulary, sequence
+length) and the tokenizer are written beside it. Nothing is written into the checkpoint being
+read or the weights the run was fine-tuned from (`check_export_target`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shardwise.models import build_model
 from shardwise.models.plan import plan_of
 from shardwise.models.registry import model_source
 from shardwise.spec.runspec import RunSpec
+from shardwise.utils.paths import is_within
 
 
 def export_safetensors(checkpoint: Found, out_dir: Path, spec: RunSpec | None) -> Path:
@@ -32,6 +35,7 @@ def export_safetensors(checkpoint: Found, out_dir: Path, spec: RunSpec | None) -
     `spec`: the run's spec (what `shardwise.run.rundir.load_run_spec` reads from its directory)."""
     from safetensors.torch import save_file
 
+    check_export_target(out_dir, checkpoint, spec)
     model, data, spec = consolidated(checkpoint, spec)
     state = {k: v for k, v in model.state_dict().items()}
     tied = plan_of(model).tied
@@ -49,7 +53,7 @@ def export_safetensors(checkpoint: Found, out_dir: Path, spec: RunSpec | None) -
                                                   json.dumps(config)})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if data.tokenizer_path is not None:
-        shutil.copy2(data.tokenizer_path, out_dir / "tokenizer.json")
+        shutil.copyfile(data.tokenizer_path, out_dir / "tokenizer.json")  # mode: the umask's
     return model_file
 
 
@@ -60,9 +64,28 @@ def export_hf_dir(checkpoint: Found, out_dir: Path, spec: RunSpec | None, dtype:
     if spec is not None and spec.model.family != "hf":
         raise UserError(f"--format hf exports Hugging Face models (model.family = \"hf\"); "
                         f"this run's model is {spec.model.family!r}. Use --format safetensors.")
+    check_export_target(out_dir, checkpoint, spec)
     model, data, spec = consolidated(checkpoint, spec)
     assert spec.model.hf is not None  # checked above: family "hf"
     return export_hf(model, out_dir, spec.model.hf, data.tokenizer_path, dtype)
+
+
+def check_export_target(out_dir: Path, checkpoint: Found, spec: RunSpec | None) -> None:
+    """Refuse, before anything is written, an output folder that is the run's source weights
+    (`model.hf_path`) or the checkpoint being exported, or inside either: the export's
+    model.safetensors and config.json would replace the files it reads."""
+    sources: list[tuple[str, Path]] = []
+    if spec is not None and spec.model.hf is not None and spec.model.hf.hf_path:
+        sources.append(("model.hf_path, the weights this run was fine-tuned from",
+                        Path(spec.model.hf.hf_path).expanduser()))
+    if isinstance(checkpoint.location, Path):
+        sources.append(("the checkpoint being exported", checkpoint.location))
+    for what, source in sources:
+        if is_within(out_dir, source):
+            raise UserError(f"the export folder {out_dir} is {what} ({source}), or inside it: "
+                            "the export would overwrite the files it reads. Export to another "
+                            "folder (--out DIR, or checkpoint.hf_export; the default is "
+                            "RUN_DIR/export/step-NNNNNN).")
 
 
 def consolidated(checkpoint: Found, spec: RunSpec | None) -> tuple[torch.nn.Module, Any, RunSpec]:
