@@ -7,6 +7,7 @@ resume messages) works on both without asking which it has. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 from shardwise.checkpoint.layout import META
+from shardwise.utils.redact import redact
 
 
 class RemotePath:
@@ -119,6 +121,11 @@ class StorageSpec:
     @classmethod
     def from_section(cls, section: Any) -> StorageSpec:
         return cls(section.uri, section.endpoint_url, section.region, section.profile)
+
+    def record(self) -> dict[str, str]:
+        """What RUN_DIR/checkpoints/location.json keeps: every field, with any credentials in
+        a URI redacted (the RunSpec refuses them; this guards a StorageSpec made elsewhere)."""
+        return {name: redact(value) for name, value in dataclasses.asdict(self).items()}
 
 
 def list_files(directory: Location) -> dict[str, int]:

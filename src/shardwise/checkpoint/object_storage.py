@@ -29,6 +29,7 @@ from shardwise.checkpoint.location import RemotePath, StorageSpec
 from shardwise.checkpoint.staging import HostCopyStage, HostStager
 from shardwise.compat import fsspec_reader, fsspec_writer
 from shardwise.errors import UserError
+from shardwise.utils.redact import redact
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
@@ -137,7 +138,8 @@ def open_s3(uri: str, spec: StorageSpec) -> ObjectStorage:
         fs = s3fs.S3FileSystem(**options)
         fs.call_s3("head_bucket", Bucket=bucket)
     except Exception as err:  # classified below; anything else is reported with its own text
-        raise UserError(_s3_problem(err, uri, bucket, endpoint)) from None
+        # the endpoint may come from $AWS_ENDPOINT_URL, and botocore's text may quote it
+        raise UserError(redact(_s3_problem(err, uri, bucket, endpoint))) from None
     return ObjectStorage(uri, fs, options)
 
 

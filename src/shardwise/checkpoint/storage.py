@@ -220,9 +220,7 @@ def record_location(spec: StorageSpec, storage: Storage[Any], local_root: Path) 
     if isinstance(storage.root, Path) and storage.root.resolve() == local_root.resolve():
         pointer.unlink(missing_ok=True)
         return
-    atomic_write_text(pointer, json.dumps({"uri": spec.uri, "endpoint_url": spec.endpoint_url,
-                                           "region": spec.region, "profile": spec.profile},
-                                          indent=2) + "\n")
+    atomic_write_text(pointer, json.dumps(spec.record(), indent=2) + "\n")
 
 
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardwise.utils.redact import redact
+
 
 class Sink(Protocol):
     def write(self, event: dict[str, Any]) -> None: ...
@@ -45,7 +47,7 @@ class JsonlSink:
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_finite(event), sort_keys=False) + "\n")
+        self._file.write(json.dumps(_finite(_redacted(event)), sort_keys=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -73,6 +75,18 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _redacted(value: Any) -> Any:
+    """Credentials in any URI an event quotes (an error's text, say) as ***: metrics.jsonl is
+    read and shared by people who must not learn them."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v) for v in value]
+    return value
 
 
 def _finite(event: dict[str, Any]) -> dict[str, Any]:

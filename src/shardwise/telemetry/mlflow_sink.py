@@ -3,7 +3,9 @@
 mlflow is not a dependency; `require_mlflow` fails at startup with what to do when it is missing.
 Where runs go is MLflow's own business: `MLFLOW_TRACKING_URI` (and `MLFLOW_EXPERIMENT_NAME`, else
 the experiment is the spec's `run.name`). One shardwise run is one MLflow run: its id is kept in
-`RUN_DIR/mlflow.json`, so a resume or an elastic restart continues the same curves.
+`RUN_DIR/mlflow.json` (with the tracking URI, credentials redacted: put them in
+MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), so a resume or an elastic restart continues
+the same curves.
 
 Logging is telemetry, not training: after startup, an MLflow failure (server gone, disk full) is
 one warning and the sink turns itself off; the run goes on.
@@ -20,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from shardwise.errors import UserError
+from shardwise.utils.redact import redact
 
 RUN_FILE = "mlflow.json"
 PARAM_MAX = 500  # MLflow's historical limit on a param value's length
@@ -58,7 +61,7 @@ class MlflowSink:
     def _start(self, spec_dict: dict[str, Any], experiment: str) -> None:
         mlflow = self._mlflow
         assert mlflow is not None
-        uri = str(mlflow.get_tracking_uri())
+        uri = redact(str(mlflow.get_tracking_uri()))  # often https://USER:PASSWORD@host
         if not os.environ.get("MLFLOW_EXPERIMENT_NAME") and not os.environ.get("MLFLOW_EXPERIMENT_ID"):
             mlflow.set_experiment(experiment)
         earlier = self._earlier_run(uri)
@@ -115,6 +118,6 @@ class MlflowSink:
         try:
             fn(*args)
         except Exception as err:  # any MLflow failure: warn once, stop logging, keep training
-            print(f"warning: MLflow logging is off for the rest of this run: could not {what} "
-                  f"({type(err).__name__}: {err}).", file=sys.stderr)
+            print(redact(f"warning: MLflow logging is off for the rest of this run: could not "
+                         f"{what} ({type(err).__name__}: {err})."), file=sys.stderr)
             self._mlflow = None
