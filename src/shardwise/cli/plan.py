@@ -21,6 +21,8 @@ from pathlib import Path
 
 from shardwise.errors import SpecError, UserError
 
+DEFAULT_REFERENCE = "benchmarks/published_runs.toml"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from shardwise.planner.cluster import PRESETS as CLUSTERS
@@ -60,12 +62,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "their step times, scored in-sample and leave-one-out")
     p.add_argument("--write-params", default=None, metavar="FILE",
                    help="with --calibrate: write the fitted CostParams as TOML")
+    p.add_argument("--validate", nargs="?", const=DEFAULT_REFERENCE, default=None, metavar="FILE",
+                   help="predict every published run of FILE (default "
+                        f"{DEFAULT_REFERENCE}) at its own layout and print the MFU error; the "
+                        "fit and its held-out score: python benchmarks/bench_plan.py --published")
+    p.add_argument("--explain", default=None, metavar="LAYOUT",
+                   help="break one layout's predicted step down term by term: its rank in the "
+                        "table (1) or its name as printed, optionally with mbN and/or "
+                        "none|selective|full (quote it)")
+    p.add_argument("--tokens", default=None, metavar="T",
+                   help="a token budget (K, M, B, T in powers of ten: 15T = 1.5e13 tokens): the "
+                        "predicted days, device-hours, energy and cost of the top layouts")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from shardwise.planner import report
+    from shardwise.planner.accuracy import interval
     from shardwise.planner.cluster import resolve_cluster
+    from shardwise.planner.costing import cost_lines
     from shardwise.planner.layout import Batch
     from shardwise.planner.search import search, smallest_cluster
 
@@ -74,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     params = _params(args)
     if args.calibrate:
         return calibrate(args, params)
+    if args.validate:
+        return validate(args, params)
     if args.write_params:
         raise UserError("--write-params writes what --calibrate fitted: pass --calibrate RUN_DIR "
                         "as well.")
@@ -92,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
                                    "fp32" if cluster.cluster.device == "cpu" else "bf16")
     batch = Batch(global_batch=global_batch, seq_len=seq, precision=precision,
                   tf32=base.run.tf32 if base is not None else True)
+    tokens = _tokens(args)
     result = search(model, cluster, batch, params)
+    band = interval(cluster.device.generation) if cluster.cluster.device != "cpu" else None
     out = sys.stdout
     if not result.feasible:
         nodes = smallest_cluster(model, cluster, batch)
@@ -110,9 +129,13 @@ def run(args: argparse.Namespace) -> int:
               f"for {batch.global_batch:,} x {batch.seq_len:,} tokens; {where}.", file=sys.stderr)
         return 1
     if args.json:
-        print(report.layouts_json(result.top(args.top)), file=out)
+        print(report.layouts_json(result.top(args.top), band), file=out)
     else:
-        print(report.human(result, args.top), file=out)
+        print(report.human(result, args.top, band), file=out)
+    if args.explain:
+        _explain(args.explain, result, band, params, out)
+    if tokens and not args.json:
+        print("\n" + "\n".join(cost_lines(result.top(args.top), cluster, tokens, band)), file=out)
     if args.write_spec:
         chosen = next((p for p in result.feasible if p.layout.available), result.feasible[0])
         path = Path(args.write_spec).expanduser()
@@ -126,6 +149,63 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}: {chosen.layout.name()} "
               f"(check it with `shardwise train {path} --print-spec`)",
               file=sys.stderr if args.json else out)
+    return 0
+
+
+def _tokens(args: argparse.Namespace) -> float | None:
+    from shardwise.planner.costing import parse_tokens
+
+    if args.tokens is None:
+        return None
+    try:
+        return parse_tokens(args.tokens)
+    except ValueError:
+        raise UserError(f"--tokens {args.tokens!r} is not a token budget: give a number of tokens "
+                        "with an optional K, M, B or T suffix (powers of ten), like 15T or "
+                        "300B.") from None
+
+
+def _explain(wanted: str, result, band, params, out) -> None:
+    """`--explain`: the layout's decomposition, or exit 2 naming the layouts there are."""
+    from shardwise.planner import explain
+
+    pred = explain.find(result.feasible, wanted) or explain.find(result.rejected, wanted)
+    if pred is None:
+        names = ", ".join(dict.fromkeys(p.layout.name() for p in result.top(5)))
+        raise UserError(f"--explain {wanted!r}: no predicted layout has that rank or name. Give "
+                        "a rank from the table (1 is the best) or a name as printed, like "
+                        f"{names or 'zero2-8'}; add mbN or a recompute mode to pick one variant.")
+    gen = result.cluster.device.generation
+    note = (f"e = {getattr(params, f'gemm_efficiency_{gen}'):.3g}, k0 = "
+            f"{getattr(params, f'gemm_k_half_{gen}'):.0f} ({gen}, fitted on published runs)"
+            if gen and result.cluster.cluster.device != "cpu" else
+            f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation")
+    print("\n" + explain.explain(pred, result.cluster, band, note), file=out)
+
+
+def validate(args: argparse.Namespace, params) -> int:
+    """`--validate`: every published run predicted at its own layout, and the error."""
+    import json
+
+    from shardwise.planner import published_report, validate
+
+    path = Path(args.validate).expanduser()
+    if not path.is_file():
+        raise UserError(f"--validate {path}: no such file. Pass the reference set "
+                        f"({DEFAULT_REFERENCE} in a shardwise checkout) or a file of the same "
+                        "form.")
+    refs = published_report.load(path)
+    results = validate.predict_all(refs, params)
+    if args.json:
+        print(json.dumps([{"run": r.ref.id, "source": r.ref.source.id,
+                           "measured_mfu": r.measured_mfu, "predicted_mfu": r.predicted_mfu,
+                           "error_points": r.error, "fits": r.any_fits, "layout": r.chosen()}
+                          for r in results], indent=2))
+    else:
+        print(published_report.text(results, f"{len(refs)} published runs of {path}, each "
+                                             "predicted at its own layout with "
+                                             + (f"--params {args.params}" if args.params else
+                                                "the built-in CostParams")))
     return 0
 
 

@@ -30,6 +30,7 @@ Stage s sits on rank s mod p (looped placement), or for ZBV on ranks s and 2p-1-
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -48,6 +49,13 @@ class RankLoad:
     ck_moe: int
     first: bool
     last: bool
+
+    def __hash__(self) -> int:  # hashed by every cached cost term: compute it once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            self.__dict__["_hash"] = cached
+        return cached
 
     @property
     def blocks(self) -> int:

@@ -21,6 +21,7 @@ from shardwise.errors import SpecError
 from shardwise.spec.cluster import (
     ClusterSection,
     ClusterSpec,
+    DeviceSection,
     LinkSection,
     PeakSection,
     load_cluster,
@@ -34,6 +35,12 @@ NCCL_NET_LAT_US = 9.6  # NCCL tuning.cc hwLat[NET][Ring][Simple]
 # H100 SXM5 (NVIDIA H100 Tensor Core GPU datasheet, SXM column): bf16/fp16 989.4 dense TFLOP/s,
 # tf32 494.7, fp32 66.9; 80 GB HBM3, which nvidia-smi reports as 81,559 MiB = 79.6 GiB.
 _H100_PEAK = PeakSection(fp32=66.9, bf16=989.4, fp16=989.4, tf32=494.7)
+# H100 SXM5 (datasheet, SXM column): HBM3 3.35 TB/s, max TDP 700 W; 132 SMs (the H100 whitepaper's
+# SXM5 configuration). Idle board power 80 W: measured on an H200 SXM at idle (80.3 W,
+# api.serialalice.pt GPU energy benchmark, 2026), taken for the H100 too (same board power class);
+# set [device] idle_power_w for your own.
+_H100_DEVICE = DeviceSection(generation="hopper", memory_bandwidth_gbs=3350.0, sms=132,
+                             power_w=700.0, idle_power_w=80.0)
 # NVLink 4: 900 GB/s bidirectional per GPU (datasheet) -> 450 GB/s per direction.
 _NVLINK4 = LinkSection(bandwidth_gbs=450.0, latency_us=NCCL_NVLINK_LAT_US)
 # ConnectX-7 NDR InfiniBand, 400 Gb/s per port -> 50 GB/s per direction (DGX H100 user guide:
@@ -46,30 +53,35 @@ def dgx_h100() -> ClusterSpec:
     return ClusterSpec(
         ClusterSection(nodes=1, devices_per_node=8, device_memory_gib=79.6, nics_per_node=8,
                        name="dgx-h100"),
-        _H100_PEAK, _NVLINK4, _NDR400)
+        _H100_PEAK, _NVLINK4, _NDR400, _H100_DEVICE)
 
 
 def h200_nvl8() -> ClusterSpec:
     """8 x H200 SXM 141 GB per node (HGX H200 8-GPU): the H100's compute and NVLink 4 with more
     HBM3e. NVIDIA H200 datasheet (SXM): bf16 989 dense TFLOP/s, 141 GB (nvidia-smi: 143,771 MiB =
-    140.4 GiB); networking as the DGX H100 (8 x 400 Gb/s)."""
+    140.4 GiB), HBM3e 4.8 TB/s, max TDP 700 W; networking as the DGX H100 (8 x 400 Gb/s)."""
     return ClusterSpec(
         ClusterSection(nodes=1, devices_per_node=8, device_memory_gib=140.4, nics_per_node=8,
                        name="h200-nvl8"),
-        _H100_PEAK, _NVLINK4, _NDR400)
+        _H100_PEAK, _NVLINK4, _NDR400,
+        DeviceSection(generation="hopper", memory_bandwidth_gbs=4800.0, sms=132, power_w=700.0,
+                      idle_power_w=80.0))
 
 
 def a100_80g() -> ClusterSpec:
     """8 x A100 SXM4 80 GB per node (DGX A100): NVIDIA A100 datasheet: bf16/fp16 312 dense
     TFLOP/s, tf32 156, fp32 19.5; 80 GB HBM2e (nvidia-smi: 81,920 MiB = 80.0 GiB); NVLink 3 600
     GB/s bidirectional (300 per direction); 8 x 200 Gb/s HDR InfiniBand (DGX A100 user guide) =
-    25 GB/s per direction each."""
+    25 GB/s per direction each; HBM2e 2,039 GB/s, max TDP 400 W (datasheet, 80 GB SXM); 108 SMs
+    (the A100 whitepaper). Idle power is not known here (0: the energy estimate counts busy time
+    only; set [device] idle_power_w)."""
     return ClusterSpec(
         ClusterSection(nodes=1, devices_per_node=8, device_memory_gib=80.0, nics_per_node=8,
                        name="a100-80g"),
         PeakSection(fp32=19.5, bf16=312.0, fp16=312.0, tf32=156.0),
         LinkSection(bandwidth_gbs=300.0, latency_us=NCCL_NVLINK_LAT_US),
-        LinkSection(bandwidth_gbs=25.0, latency_us=NCCL_NET_LAT_US))
+        LinkSection(bandwidth_gbs=25.0, latency_us=NCCL_NET_LAT_US),
+        DeviceSection(generation="ampere", memory_bandwidth_gbs=2039.0, sms=108, power_w=400.0))
 
 
 CPU_DEVICES = 2  # shardwise's default on a machine without a GPU: 2 local worker processes

@@ -1,13 +1,18 @@
 """Communication: alpha-beta cost of each collective, placed on intra- or inter-node links.
 
-Placement follows the mesh order `shardwise.parallel.dims` builds (Llama 3's): tp innermost, then
-cp, dp_shard, dp_replicate, pp outermost; expert parallel takes consecutive ranks of cp x dp_shard
-just outside tp. An axis of degree d whose inner axes hold `stride` ranks spans d x stride
-consecutive ranks: inside one node when that is at most the devices per node, otherwise across
-nodes with k = devices_per_node / stride members per node (1 when stride >= devices_per_node).
-A group across nodes gets min(intra, k x the inter-node bandwidth per device): NCCL runs one ring
-per NIC (rail-optimised fabric), and the node's NICs are shared by its devices, since every group
-of the axis communicates at once.
+Placement follows the layout's mesh order (`Layout.order`, inside out): "tp-cp-dp-pp", the one
+`shardwise.parallel.dims` builds (and Megatron's): tp innermost, then cp, dp_shard, dp_replicate,
+pp outermost; or "tp-cp-pp-dp", Llama 3's [TP, CP, PP, DP] ("The Llama 3 Herd of Models"
+§3.3.2: data parallel outermost, so its traffic, which tolerates latency, is the one that
+crosses pods). Expert parallel takes consecutive ranks of cp x dp_shard just outside tp. An axis
+of degree d whose inner axes hold `stride` ranks spans d x stride consecutive ranks: inside one
+node when that is at most the devices per node, otherwise across nodes with k =
+devices_per_node / stride members per node (1 when stride >= devices_per_node). A group across
+nodes gets min(intra, k x the inter-node bandwidth per device): NCCL runs one ring per NIC
+(rail-optimised fabric), and the node's NICs are shared by its devices, since every group of the
+axis communicates at once. A group across pods (`[topology] pod_nodes`) with j members per pod
+gets at most j x the inter-node bandwidth per device / the pod oversubscription: every group of
+the axis crosses the oversubscribed layer at once, j NICs per pod at a time.
 
 Costs (S bytes the collective is about, N ranks, B the group's bandwidth x
 `CostParams.bandwidth_efficiency`; Thakur, Rabenseifner & Gropp 2005 for the ring volumes, the
@@ -45,10 +50,31 @@ class Group:
     alpha_intra: float  # s per ring step
     alpha_inter: float
     base: float  # s per collective
+    pods: int = 1  # pods it spans
+    per_pod: int = 0  # members per pod (0: all in one)
+    oversubscription: float = 1.0  # of the layer between pods, when it spans several
 
     @property
     def inter(self) -> bool:
         return self.nodes > 1
+
+    @property
+    def link(self) -> str:
+        """Where its traffic runs, in words."""
+        if self.size <= 1:
+            return "none"
+        if not self.inter:
+            return "NVLink (one node)"
+        if self.pods > 1:
+            return (f"network across {self.pods} pods (1:{self.oversubscription:g}), "
+                    f"{self.per_pod} per pod")
+        return f"network, {self.nodes} nodes"
+
+    @property
+    def pod_bound(self) -> bool:
+        """Whether the oversubscribed layer between pods is what limits its bandwidth."""
+        return self.pods > 1 and self.per_pod * self.inter_bandwidth / self.oversubscription \
+            < min(self.intra_bandwidth, self.per_node * self.inter_bandwidth)
 
 
 def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base: float) -> Group:
@@ -63,8 +89,15 @@ def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base:
     per_node = 1 if stride >= g else max(1, g // stride)
     per_node = min(per_node, size)
     nodes = math.ceil(size / per_node)
-    return Group(size, nodes, per_node, min(intra, per_node * inter_dev), inter_dev, intra,
-                 a_in, a_out, base)
+    bandwidth = min(intra, per_node * inter_dev)
+    pod = cluster.pod_devices
+    if size * stride <= pod:
+        return Group(size, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base)
+    per_pod = min(size, max(1, pod // stride))
+    pods = math.ceil(size / per_pod)
+    over = cluster.topology.pod_oversubscription
+    return Group(size, nodes, per_node, min(bandwidth, per_pod * inter_dev / over), inter_dev,
+                 intra, a_in, a_out, base, pods, per_pod, over)
 
 
 @lru_cache(maxsize=8192)
@@ -122,6 +155,17 @@ def p2p(nbytes: float, inter: bool, cluster: ClusterSpec, efficiency: float, bas
     return base + cluster.intra.latency_us * 1e-6 + nbytes / (cluster.intra_bytes_per_s * efficiency)
 
 
+def p2p_in(nbytes: float, grp: Group, inter: bool) -> float:
+    """Send/receive between neighbours of `grp` (a pipeline group): one NIC's bandwidth across
+    nodes, no more than the group's share of the pods' uplinks when it spans pods."""
+    if nbytes <= 0:
+        return 0.0
+    if not inter:
+        return grp.base + grp.alpha_intra + nbytes / grp.intra_bandwidth
+    bandwidth = min(grp.inter_bandwidth, grp.bandwidth) if grp.pods > 1 else grp.inter_bandwidth
+    return grp.base + grp.alpha_inter + nbytes / bandwidth
+
+
 def exposed(comm: float, window: float, overlap: float) -> float:
     """The part of `comm` seconds not hidden behind `window` seconds of compute it can overlap
     with: at most `overlap` of it hides, and never more than the window."""
@@ -130,8 +174,46 @@ def exposed(comm: float, window: float, overlap: float) -> float:
 
 AXES = ("tp", "cp", "ep", "pp", "dp_shard", "dp_replicate")
 
+#: mesh orders, inside out (`Layout.order`)
+ORDERS = {"tp-cp-dp-pp": ("tp", "cp", "dp_shard", "dp_replicate", "pp"),
+          "tp-cp-pp-dp": ("tp", "cp", "pp", "dp_shard", "dp_replicate")}
 
-def strides(tp: int, cp: int, dp_shard: int, dp_replicate: int) -> dict[str, int]:
-    """Ranks held by the axes inside each axis (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
-    return {"tp": 1, "cp": tp, "ep": tp, "dp_shard": tp * cp, "dp_replicate": tp * cp * dp_shard,
-            "pp": tp * cp * dp_shard * dp_replicate}
+
+def strides(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int = 1,
+            order: str = "tp-cp-dp-pp") -> dict[str, int]:
+    """Ranks held by the axes inside each axis, for a mesh order (`ORDERS`); expert parallel
+    sits just outside tp."""
+    degrees = {"tp": tp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate, "pp": pp}
+    out, inner = {}, 1
+    for axis in ORDERS[order]:
+        out[axis] = inner
+        inner *= degrees[axis]
+    out["ep"] = tp
+    return out
+
+
+@lru_cache(maxsize=4096)
+def mesh_groups(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int, ep: int,
+                order: str, cluster: ClusterSpec, eff: float,
+                base: float) -> tuple[dict[str, Group], bool]:
+    """Every process group a layout communicates on, by role (`tp`, `cp`, `ep`, `pp`, `shard`:
+    dp_shard x cp, FSDP's; `shard_experts`; `replicate`: HSDP's; `dp`: all data parallel), and
+    whether pipeline neighbours sit on different nodes."""
+    st = strides(tp, cp, dp_shard, dp_replicate, pp, order)
+    nd = dp_shard * cp
+    ne = max(1, nd // ep)
+    dp = dp_shard * dp_replicate
+    # under the data-parallel-outermost order, dp_shard x cp is not contiguous when pp sits
+    # between them: the shard group's stride is cp's, its members dp_shard's (an approximation)
+    groups = {
+        "tp": cached_group(tp, 1, cluster, eff, base),
+        "cp": cached_group(cp, st["cp"], cluster, eff, base),
+        "ep": cached_group(ep, st["ep"], cluster, eff, base),
+        "pp": cached_group(pp, st["pp"], cluster, eff, base),
+        "shard": cached_group(nd, st["cp"] if order == "tp-cp-dp-pp" else st["dp_shard"],
+                              cluster, eff, base),
+        "shard_experts": cached_group(ne, st["ep"] * ep, cluster, eff, base),
+        "replicate": cached_group(dp_replicate, st["dp_replicate"], cluster, eff, base),
+        "dp": cached_group(dp, st["dp_shard"], cluster, eff, base),
+    }
+    return groups, pp * st["pp"] > cluster.devices_per_node

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.planner.comm import ORDERS
 from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import ClusterSpec
 
@@ -48,6 +49,18 @@ class Layout:
     recompute: str = "none"  # none | selective (every `ac_every`-th block) | full
     ac_every: int = 2
     sequence_parallel: bool = False
+    # mesh order inside out (`planner.comm.ORDERS`): shardwise's pipeline-outermost mesh, or
+    # Llama 3's data-parallel-outermost one (modelled; shardwise does not build it)
+    order: str = "tp-cp-dp-pp"
+
+    def __hash__(self) -> int:  # hashed by every cached cost term: compute it once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.dp_replicate, self.dp_shard, self.zero, self.tp, self.pp,
+                           self.schedule, self.v, self.cp, self.ep, self.micro_batch,
+                           self.recompute, self.ac_every, self.sequence_parallel, self.order))
+            self.__dict__["_hash"] = cached
+        return cached
 
     @property
     def dp(self) -> int:
@@ -59,9 +72,9 @@ class Layout:
 
     @property
     def available(self) -> bool:
-        """Whether this version of shardwise runs it (expert parallel, and context parallel with
-        pipeline parallel: not yet)."""
-        return self.ep == 1 and (self.cp == 1 or self.pp == 1)
+        """Whether this version of shardwise runs it (expert parallel, context parallel with
+        pipeline parallel, and a data-parallel-outermost mesh: not yet)."""
+        return self.ep == 1 and (self.cp == 1 or self.pp == 1) and self.order == "tp-cp-dp-pp"
 
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
@@ -83,6 +96,8 @@ class Layout:
             parts.append(f"pp{self.pp}" + {"gpipe": "-gpipe", "1f1b": "-1f1b",
                                             "interleaved-1f1b": f"-i{self.v}",
                                             "zero-bubble": "-zbv"}.get(self.schedule, ""))
+        if self.order != "tp-cp-dp-pp":
+            parts.append("dp-outer")
         return "+".join(parts) or "single"
 
 
@@ -122,6 +137,8 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
                 f"{lo.dp * lo.micro_batch}")
     if lo.zero not in (0, 1, 2, 3):
         return f"zero = {lo.zero}"
+    if lo.order not in ORDERS:
+        return f"mesh order {lo.order!r} (one of {', '.join(ORDERS)})"
     if lo.zero == 0 and lo.dp_shard > 1:
         return "zero 0 (DDP) shards nothing across dp_shard"
     if lo.zero > 0 and lo.dp_shard == 1 and not (lo.world == 1 and lo.zero >= 2):

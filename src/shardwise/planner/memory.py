@@ -20,9 +20,17 @@ experts):
 
 "With accumulation": shardwise skips gradient sync on all but the last micro-batch
 (`parallel/execution.py` `_grad_sync`; torch's pipelining does the same), so FSDP2 accumulates the
-unsharded gradients in fp32 until the last backward reduce-scatters them. Under pipeline
+unsharded gradients in fp32 until the last backward reduce-scatters them (FSDP that
+reduce-scatters every micro-batch, `CostParams.reduce_every_micro_batch`, as PyTorch FSDP does by
+default, keeps only the shards). Under pipeline
 parallel torch keeps the stage's weights gathered across micro-batches
 (`set_reshard_after_backward(False)` until the last), so ZeRO-3 holds what ZeRO-2 holds.
+
+With `CostParams.low_precision_params` (Megatron's policy, for published runs) ZeRO-0/1 hold the
+parameters in the compute dtype (q bytes), the gradients in a main-grad buffer of
+`CostParams.grad_bytes` accumulated in place, and the fp32 master with both moments in the
+optimizer: q + grad_bytes + 12 bytes a parameter, the 12 divided by N under ZeRO-1 (the
+distributed optimizer). `grad_bytes` (default 4) sizes every gradient term.
 
 Buffers: DDP runs with `gradient_as_bucket_view=True` (`parallel/data_parallel.py`), so its
 communication buckets *are* the gradients and add nothing (an earlier version of this model added
@@ -200,7 +208,9 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
         split += q * tokens * a * hd + 4 * tokens * a
     else:
         split += (q + (3 if dropout else 0)) * a * tokens * seq_full + q * tokens * a * hd
-    mats = 4 if model.gated else 2
+    # saved MLP tensors: SwiGLU's w1 and w3 outputs and their product (textbook), plus the eager
+    # module's silu(w1 x); GeLU's input and output
+    mats = (4 if eager else 3) if model.gated else 2
     if kind == "moe":
         k = model.top_k
         split += (mats * q * tokens * (k + model.shared_experts) * model.expert_ffn
@@ -226,14 +236,23 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
     shard = (rp.linear + rp.other) / nd + rp.experts / ne
     accumulate = lo.micro_batches(batch) > 1
     buffers = 0.0
-    if lo.zero <= 1:
+    g_bytes = params.grad_bytes
+    if lo.zero <= 1 and params.low_precision_params:
+        # Megatron: parameters in the compute dtype, gradients in a contiguous main-grad buffer
+        # (accumulated in place), fp32 master + both moments in the (distributed) optimizer
+        p_bytes = q * full
+        gathered = 0.0
+        grads = grads_step = g_bytes * full
+        opt = 12 * (full if lo.zero == 0 else shard)
+        optimized = full if lo.zero == 0 else shard
+    elif lo.zero <= 1:
         p_bytes = 4 * full
         gathered = cast_copy * (rp.linear + rp.experts)
-        grads = grads_step = 4 * full
+        grads = grads_step = g_bytes * full
         opt = 8 * full if lo.zero == 0 else 12 * shard
         optimized = full if lo.zero == 0 else shard  # what AdamW updates on this rank
         if lo.dp > 1 and accumulate:  # no_sync: gradients grow beside DDP's (kept) buckets
-            buffers += 4 * full
+            buffers += g_bytes * full
     else:
         p_bytes = 4 * shard
         if lo.zero == 2 or lo.pp > 1 or load.blocks <= 2:
@@ -244,8 +263,11 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
             lin = min(2 * rp.block_linear, rp.linear + rp.experts)
             oth = min(2 * rp.block_other + rp.root, rp.other)
         gathered = gather_linear * lin + 4 * oth + (2 * lin if batch.precision == "fp16" else 0)
-        grads_step = 4 * shard
-        grads = 4 * full if accumulate else grads_step
+        grads_step = g_bytes * shard
+        # shardwise skips the reduction until the last micro-batch (unsharded accumulation);
+        # FSDP that reduce-scatters every micro-batch accumulates the shards
+        grads = g_bytes * full if accumulate and not params.reduce_every_micro_batch \
+            else grads_step
         opt = 8 * shard
         optimized = shard
         # one unit's staging at a time: in forward its flat all-gather output and input copy,
@@ -254,7 +276,8 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         # forward staging competes with the gradient shards, not with them added.
         unit_gather = (gather_linear * rp.block_linear + 4 * rp.block_other) * (1 + 1 / nd)
         unit_reduce = 4 * (rp.block_linear + rp.block_other)
-        buffers += max(unit_gather - (0 if accumulate else grads), unit_reduce)
+        unsharded = accumulate and not params.reduce_every_micro_batch
+        buffers += max(unit_gather - (0 if unsharded else grads), unit_reduce)
 
     acts = 0.0
     if not model.opaque:

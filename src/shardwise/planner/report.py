@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shardwise.planner.accuracy import HIGH_Q, LOW_Q, Interval
 from shardwise.planner.cost import Prediction
 from shardwise.planner.search import PlanResult
 from shardwise.spec.cluster import GIB
@@ -16,17 +17,29 @@ JSON_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "v", "c
              "micro_batch", "recompute", "mem_per_rank_bytes", "step_time_s", "tokens_per_s", "mfu")
 
 
-def layouts_json(predictions: list[Prediction]) -> str:
-    return json.dumps([p.as_dict() for p in predictions], indent=2)
+def layouts_json(predictions: list[Prediction], band: Interval | None = None) -> str:
+    out = []
+    for p in predictions:
+        row = p.as_dict()
+        if band is not None:
+            row["mfu_interval"] = list(band.around(p.mfu))
+            row["tokens_per_s_interval"] = list(band.around(p.tokens_per_s))
+            row["interval_basis"] = {"runs": band.runs, "generation": band.basis,
+                                     "quantiles": [LOW_Q, HIGH_Q]}
+        out.append(row)
+    return json.dumps(out, indent=2)
 
 
-def _row(rank: str, p: Prediction) -> list[str]:
+def _row(rank: str, p: Prediction, band: Interval | None) -> list[str]:
     lo = p.layout
     pipe = "-" if lo.pp == 1 else f"{lo.pp} {lo.schedule}{f' v{lo.v}' if lo.v > 1 else ''}"
-    return [rank, lo.name(), str(lo.zero), str(lo.tp), str(lo.cp), pipe, str(lo.ep),
-            str(lo.micro_batch), lo.recompute, f"{p.memory.total / GIB:.1f}",
-            f"{p.step_time_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}",
-            f"{100 * p.bubble:.0f}", f"{p.exposed_comm_s:.2g}"]
+    row = [rank, lo.name(), str(lo.zero), str(lo.tp), str(lo.cp), pipe, str(lo.ep),
+           str(lo.micro_batch), lo.recompute, f"{p.memory.total / GIB:.1f}",
+           f"{p.step_time_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}"]
+    if band is not None:
+        low, high = band.around(p.mfu)
+        row.append(f"{100 * low:.0f}-{100 * high:.0f}")
+    return [*row, f"{100 * p.bubble:.0f}", f"{p.exposed_comm_s:.2g}"]
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -39,7 +52,7 @@ HEADER = ["#", "layout", "zero", "tp", "cp", "pp", "ep", "mb", "recompute", "GiB
           "tokens/s", "MFU %", "bubble %", "exposed comm s"]
 
 
-def human(result: PlanResult, top: int) -> str:
+def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
     c, b, m = result.cluster, result.batch, result.model
     lines = [f"model    {m.describe()}" + (f"  [{m.note}]" if m.note else ""),
              f"cluster  {c.name}: {c.nodes} node(s) x {c.devices_per_node} = {c.world:,} devices, "
@@ -50,9 +63,18 @@ def human(result: PlanResult, top: int) -> str:
              f"searched {result.evaluated:,} layouts in {result.elapsed_s:.2f} s "
              f"({sum(result.pruned.values()):,} pruned); {len(result.feasible):,} fit", ""]
     if result.feasible:
-        rows = [HEADER] + [_row(str(i + 1), p) for i, p in enumerate(result.top(top))]
+        header = HEADER if band is None else [*HEADER[:13], "MFU band", *HEADER[13:]]
+        rows = [header] + [_row(str(i + 1), p, band) for i, p in enumerate(result.top(top))]
         lines += _table(rows)
         best = result.feasible[0]
+        if band is not None:
+            lines.append(f"MFU band: measured / predicted MFU of {band.runs} published "
+                         f"{'' if band.basis == 'all' else band.basis + ' '}runs, each predicted "
+                         f"without its source, {100 * LOW_Q:.0f}th-{100 * HIGH_Q:.0f}th "
+                         "percentile (benchmarks/RESULTS.md); `--explain 1` breaks #1 down")
+        if best.pod_bound:
+            lines.append(f"placement: #1's {', '.join(best.pod_bound)} groups span pods, and the "
+                         "oversubscribed uplinks between pods bound them")
         if not best.layout.available:
             ready = next((p for p in result.feasible if p.layout.available), None)
             lines.append("")

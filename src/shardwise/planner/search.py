@@ -8,7 +8,8 @@ dp_replicate x dp_shard split of the data-parallel ranks with a ZeRO stage (dp_s
 dp/2, dp/4, dp/8, one node's worth, or 1; `SearchSpace.all_hsdp` tries every split), ep (MoE
 models: dividing the experts and dp_shard x cp, up to `max_ep`), the schedule and v, the
 micro-batch size (powers of two dividing the sequences per data-parallel rank, and that count
-itself), and activation recompute. Pruned early, with a count per reason: products that do not
+itself), activation recompute, and on a cluster split into pods (`[topology]`) the mesh order
+(`orders`: pipeline or data parallel outermost). Pruned early, with a count per reason: products that do not
 divide the world or the batch, combinations shardwise refuses (`plan.layout`), and
 degree choices whose model state alone (`memory.state_lower_bound`) exceeds the device. Within
 one choice of degrees, schedule and micro-batch, recompute is tried none -> selective -> full and
@@ -138,9 +139,19 @@ def degree_choices(model: ModelDims, cluster: ClusterSpec, batch: Batch, space: 
                             eps += [e for e in divisors(model.experts) if 1 < e <= space.max_ep
                                     and (shard * cp) % e == 0]
                         for ep in eps:
-                            yield Layout(dp_replicate=dp // shard, dp_shard=shard, zero=zero, tp=tp,
-                                         pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
-                                         ac_every=space.ac_every)
+                            for order in orders(cluster, pp, dp):
+                                yield Layout(dp_replicate=dp // shard, dp_shard=shard, zero=zero,
+                                             tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
+                                             ac_every=space.ac_every, order=order)
+
+
+def orders(cluster: ClusterSpec, pp: int, dp: int) -> tuple[str, ...]:
+    """Mesh orders to try: shardwise's (pipeline outermost); and, where the cluster is split into
+    pods and both pipeline and data parallelism cross nodes, Llama 3's (data parallel outermost,
+    so that the axis that tolerates latency is the one that crosses the pods)."""
+    if pp > 1 and dp > 1 and cluster.pod_devices < cluster.world:
+        return ("tp-cp-dp-pp", "tp-cp-pp-dp")
+    return ("tp-cp-dp-pp",)
 
 
 def _shard_choices(dp: int, inner: int, per_node: int, space: SearchSpace) -> list[int]:

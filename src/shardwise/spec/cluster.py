@@ -25,6 +25,22 @@ A cluster is `nodes` x `devices_per_node` identical devices. TOML, one table per
     bandwidth_gbs = 50.0       # 400 Gb/s = 50 GB/s
     latency_us = 9.6
 
+    [device]                   # optional: what the kernel-time and energy estimates read
+    generation = "hopper"      # "ampere" or "hopper": which fitted kernel efficiencies apply
+    memory_bandwidth_gbs = 3350.0
+    sms = 132
+    power_w = 700.0
+    idle_power_w = 80.0
+
+    [topology]                 # optional: pods of full bisection joined at an oversubscription
+    pod_nodes = 384            # Llama 3: pods of 3,072 GPUs ...
+    pod_oversubscription = 7.0 # ... joined at 1:7
+    rails = true
+
+    [cost]                     # optional: what a run costs
+    price_per_device_hour = 2.5  # in your currency; 0: no price shown
+    pue = 1.2                  # data-centre power usage effectiveness
+
 Loading reuses the RunSpec's TOML reading and coercion (`shardwise.spec.load`): an unknown section
 or key is refused with a "did you mean", a wrong type or a non-positive value names the field, and
 every message exits `shardwise plan` with code 2. Imports no torch.
@@ -49,6 +65,7 @@ from shardwise.spec.toml import read_toml as _read_toml
 from shardwise.spec.toml import suggest as _suggest
 
 CLUSTER_DEVICES = ("cuda", "cpu")
+GENERATIONS = ("", "ampere", "hopper")
 GIB = 2**30
 
 
@@ -98,6 +115,50 @@ class LinkSection:
 
 
 @dataclass(frozen=True)
+class DeviceSection:
+    """What the kernel-time model and the energy estimate read of one device; 0 or "" means not
+    known, and the term that needs it falls back as its field says."""
+
+    generation: str = ""  # `ampere` or `hopper`: whose fitted kernel efficiencies apply ("": FLOPs only)
+    memory_bandwidth_gbs: float = 0.0  # HBM bandwidth, GB/s (0: memory-bound kernels not timed)
+    sms: int = 0  # streaming multiprocessors, for GEMM wave quantisation (0: not modelled)
+    power_w: float = 0.0  # board power at full load, W (the datasheet's maximum; 0: no energy figure)
+    idle_power_w: float = 0.0  # board power while it waits on the network or the pipeline, W
+
+    def validate(self) -> None:
+        _choice("device.generation", self.generation, GENERATIONS)
+        for key in ("memory_bandwidth_gbs", "power_w", "idle_power_w"):
+            _at_least(f"device.{key}", getattr(self, key), 0.0)
+        _at_least("device.sms", self.sms, 0)
+
+
+@dataclass(frozen=True)
+class TopologySection:
+    """The network beyond one switch: pods with full bisection bandwidth, joined by a layer
+    whose uplinks are oversubscribed (Llama 3: pods of 3,072 GPUs at 1:7)."""
+
+    pod_nodes: int = 0  # nodes per pod of full bisection bandwidth (0: the whole cluster is one pod)
+    pod_oversubscription: float = 1.0  # downlink to uplink bandwidth between pods (7.0 for 1:7)
+    rails: bool = True  # rail-optimised fabric: NIC k of every node on the same leaf switch
+
+    def validate(self) -> None:
+        _at_least("topology.pod_nodes", self.pod_nodes, 0)
+        _at_least("topology.pod_oversubscription", self.pod_oversubscription, 1.0)
+
+
+@dataclass(frozen=True)
+class CostSection:
+    """What an hour of the cluster costs, for `shardwise plan --tokens`."""
+
+    price_per_device_hour: float = 0.0  # price of one device for one hour (0: no price shown)
+    pue: float = 1.0  # power usage effectiveness: facility energy over the devices' energy
+
+    def validate(self) -> None:
+        _at_least("cost.price_per_device_hour", self.price_per_device_hour, 0.0)
+        _at_least("cost.pue", self.pue, 1.0)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """The whole cluster. Build with `cluster_from_dict` / `load_cluster` (or a preset)."""
 
@@ -105,11 +166,15 @@ class ClusterSpec:
     peak_tflops: PeakSection
     intra: LinkSection
     inter: LinkSection
+    device: DeviceSection = DeviceSection()
+    topology: TopologySection = TopologySection()
+    cost: CostSection = CostSection()
 
     def __hash__(self) -> int:  # the planner's cached terms hash it often: compute it once
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.cluster, self.peak_tflops, self.intra, self.inter))
+            cached = hash((self.cluster, self.peak_tflops, self.intra, self.inter, self.device,
+                           self.topology, self.cost))
             self.__dict__["_hash"] = cached
         return cached
 
@@ -118,6 +183,9 @@ class ClusterSpec:
         self.peak_tflops.validate()
         self.intra.validate("intra")
         self.inter.validate("inter")
+        self.device.validate()
+        self.topology.validate()
+        self.cost.validate()
         return self
 
     # --- what the cost model reads -------------------------------------------------------
@@ -158,6 +226,17 @@ class ClusterSpec:
         """Inter-node bandwidth one device gets while every device of its node sends at once:
         the node's NICs shared by its devices."""
         return self.inter.bandwidth_gbs * 1e9 * self.cluster.nics_per_node / self.devices_per_node
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """HBM bandwidth per device, bytes/s (0 when the cluster file does not say)."""
+        return self.device.memory_bandwidth_gbs * 1e9
+
+    @property
+    def pod_devices(self) -> int:
+        """Devices per pod of full bisection bandwidth (the whole cluster when not split)."""
+        pod = self.topology.pod_nodes
+        return (pod if 0 < pod < self.nodes else self.nodes) * self.devices_per_node
 
     def with_nodes(self, nodes: int) -> ClusterSpec:
         return dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, nodes=nodes))

@@ -1,0 +1,112 @@
+"""Data-parallel communication of one rank per step, before overlap: FSDP's per-unit all-gathers
+and reduce-scatters (`CostParams.reduce_every_micro_batch`: every micro-batch, or once after the
+last backward), HSDP's all-reduce across replicas, DDP's bucketed all-reduce, Megatron's
+distributed optimizer (reduce-scatter of the gradients, all-gather of the low-precision
+parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter tensor). How
+much of it hides behind compute is the cost model's business (`planner/cost.py`). Cached: the
+search predicts many layouts that differ only in micro-batch and recompute."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.planner import comm
+from shardwise.planner.bubble import RankLoad
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import compute_bytes, rank_params
+from shardwise.planner.models import ModelDims
+from shardwise.planner.overhead import fsdp_gathers, fsdp_units, param_tensors
+from shardwise.planner.params import CostParams
+from shardwise.spec.cluster import ClusterSpec
+
+
+@dataclass(frozen=True)
+class DpComm:
+    """A rank's data-parallel communication per step, before overlap."""
+
+    gather_per_mb: float  # FSDP's all-gathers, per micro-batch
+    early_reduce_per_mb: float  # reduce-scatters run under the next micro-batch's backward
+    sync: float  # the reduction after the last backward
+    param_gather: float  # ZeRO-1's all-gather of the updated parameters
+    shard_params: float  # parameters the rank's optimizer updates
+    time_shard: float
+    time_replicate: float
+    bytes_shard: float
+    bytes_replicate: float
+    replicate_axis: bool  # DDP: the reduction runs on dp_replicate
+
+
+def dp_comm(model: ModelDims, load: RankLoad, lo: Layout, m: int, precision: str,
+            cluster: ClusterSpec, params: CostParams) -> DpComm:
+    """What `lo`'s data parallelism communicates on a rank of this `load` (micro-batch and
+    recompute do not enter: layouts that differ only in those share the cached entry)."""
+    return _dp_comm(model, load, lo.zero, lo.dp_shard, lo.dp_replicate, lo.tp, lo.cp, lo.ep,
+                    lo.pp, lo.order, m, precision, cluster, params)
+
+
+@lru_cache(maxsize=65536)
+def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_replicate: int,
+             tp: int, cp: int, ep: int, pp: int, order: str, m: int, precision: str,
+             cluster: ClusterSpec, params: CostParams) -> DpComm:
+    p = params
+    lo = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, tp=tp, cp=cp, ep=ep,
+                pp=pp, order=order)
+    g, _ = comm.mesh_groups(tp, cp, dp_shard, dp_replicate, pp, ep, order, cluster,
+                            p.bandwidth_efficiency, p.collective_latency_s)
+    gb = p.grad_bytes
+    nd = lo.dp_shard * lo.cp
+    ne = max(1, nd // lo.ep)
+    rp = rank_params(model, load, lo.tp, lo.ep)
+    dense_p, expert_p = rp.linear + rp.other, rp.experts
+    if lo.zero >= 2:
+        gather_linear = 2 if precision == "bf16" else 4
+        gather = gather_linear * rp.linear + 4 * rp.other
+        gathers = fsdp_gathers(lo, m)
+        # FSDP gathers (and reduce-scatters) unit by unit: one collective's latency per unit
+        units = fsdp_units(model, load, precision)
+        lat = (units - 1) * comm.all_gather(1.0, g["shard"])
+        t_ag = comm.all_gather(gather, g["shard"]) + comm.all_gather(
+            gather_linear * expert_p, g["shard_experts"]) + lat
+        t_rs = comm.reduce_scatter(gb * dense_p, g["shard"]) + comm.reduce_scatter(
+            gb * expert_p, g["shard_experts"]) + lat
+        reductions = m if p.reduce_every_micro_batch else 1
+        t_ar = comm.all_reduce(gb * (dense_p / nd + expert_p / ne), g["replicate"])
+        return DpComm(
+            gather_per_mb=gathers * t_ag / m, early_reduce_per_mb=(reductions - 1) * t_rs / m,
+            sync=t_rs + t_ar, param_gather=0.0, shard_params=dense_p / nd + expert_p / ne,
+            time_shard=gathers * t_ag + reductions * t_rs, time_replicate=t_ar,
+            bytes_shard=gathers * ((nd - 1) / nd * gather + (ne - 1) / ne * gather_linear
+                                   * expert_p)
+            + reductions * ((nd - 1) / nd * gb * dense_p + (ne - 1) / ne * gb * expert_p),
+            bytes_replicate=2 * (lo.dp_replicate - 1) / lo.dp_replicate * gb * (
+                dense_p / nd + expert_p / ne),
+            replicate_axis=False)
+    if lo.dp <= 1:
+        return DpComm(0.0, 0.0, 0.0, 0.0, dense_p + expert_p, 0.0, 0.0, 0.0, 0.0, False)
+    full = gb * (dense_p + expert_p)
+    distributed = lo.zero == 1 and p.low_precision_params
+    if distributed:  # Megatron's distributed optimizer: reduce-scatter the gradients
+        t_red = comm.reduce_scatter(full, g["dp"])
+        red_bytes = (lo.dp - 1) / lo.dp * full
+    else:
+        # DDP's buckets: the first of 1 MiB, then 25 MiB each, one all-reduce apiece
+        buckets = 1 + math.ceil(max(full - 2**20, 0.0) / (25 * 2**20))
+        t_red = comm.all_reduce(full, g["dp"]) + (buckets - 1) * comm.all_reduce(1.0, g["dp"])
+        red_bytes = 2 * (lo.dp - 1) / lo.dp * full
+    t_ag = ag_bytes = 0.0
+    shard = dense_p + expert_p
+    if lo.zero == 1:  # the updated shards all-gathered after the step
+        width = compute_bytes(precision) if distributed else 4
+        t_ag = comm.all_gather(width * (dense_p + expert_p), g["dp"])
+        if not distributed:  # shardwise's ZeRO-1 gathers one tensor at a time
+            t_ag += (param_tensors(model, load) - 1) * comm.all_gather(1.0, g["dp"])
+        ag_bytes = (lo.dp - 1) / lo.dp * width * (dense_p + expert_p)
+        shard = (dense_p + expert_p) / lo.dp
+    ddp = lo.zero == 0
+    return DpComm(0.0, 0.0, t_red, t_ag, shard,
+                   time_shard=(0.0 if ddp else t_red) + t_ag,
+                   time_replicate=t_red if ddp else 0.0,
+                   bytes_shard=(0.0 if ddp else red_bytes) + ag_bytes,
+                   bytes_replicate=red_bytes if ddp else 0.0, replicate_axis=ddp)

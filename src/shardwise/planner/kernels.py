@@ -1,0 +1,219 @@
+"""Kernel time on a GPU: one rank's compute for one micro-batch, by op class.
+
+FLOPs over one achievable-peak figure treat a 2,048-wide GEMM like a 16,384-wide one and the
+norms and activations as free; on an H100 they are not: its 989 TFLOP/s face 3.35 TB/s of HBM,
+so elementwise work that is 2 % of a 405B model's step is 15 % of a 1.7B model's. Here each op
+class is timed by what bounds it:
+
+- **GEMMs** (every projection, forward, input-gradient and weight-gradient, each with its own
+  shape): 2mnk / (peak x e), e = `CostParams` GEMM efficiency of the device's generation x
+  k / (k + k_half) (a tile's fixed prologue and epilogue against its k-loop) x the wave
+  quantisation of its 128 x 128 output tiles over the SMs (NVIDIA, "Matrix Multiplication
+  Background User's Guide": tile and wave quantisation); never faster than reading its operands
+  from HBM.
+- **Attention**: fused (FlashAttention-style) kernels skip the masked half of a causal square and
+  run forward (2 matmuls) and backward (5) at the generation's attention efficiency; unfused
+  attention runs its score and value matmuls as batched GEMMs over the full square and moves the
+  s x s scores through HBM for softmax (and dropout).
+- **Memory-bound** work (norms, residual adds, dropout, the MLP activation, the loss's softmax,
+  the embedding): bytes / HBM bandwidth. Per block and token, forward: each norm reads the
+  residual (r bytes an element) and writes its output (q bytes); each residual add reads the
+  branch output (q) and the residual (r) and writes the residual (r), plus a one-byte mask under
+  dropout; the activation reads its inputs and writes its output (SwiGLU 3 x ffn elements, GeLU
+  2 x ffn). Backward reads the output gradient and the saved input and writes the input gradient
+  of each: twice the forward's bytes. Without sequence parallelism every tensor-parallel rank does
+  the h-wide part in full (redundantly); with it, 1/tp.
+- **Optimizer step**: AdamW reads and writes the fp32 master, both moments, and reads the gradient
+  (and writes the low-precision copy when the parameters are held in it), once per step over the
+  rank's optimizer shard: bytes / HBM bandwidth.
+
+The efficiencies are `CostParams` fields fitted on published runs (`planner/validate.py`), per
+hardware generation; everything else is counted. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.planner.models import ModelDims
+
+TILE = 128  # output tile edge of the GEMMs wave quantisation counts
+
+
+@dataclass(frozen=True)
+class Chip:
+    """What the kernel model reads of one device, efficiencies applied."""
+
+    peak: float  # dense FLOP/s at the run's precision
+    gemm: float  # fraction of peak a large GEMM reaches
+    attention: float  # fraction of peak the fused attention kernels reach
+    k_half: float  # reduction length at which a tile's fixed work equals its k-loop
+    sms: int  # 0: no wave quantisation
+    hbm: float  # bytes/s; 0: memory-bound work is not timed
+
+    def __hash__(self) -> int:  # hashed by every cached cost term: compute it once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            self.__dict__["_hash"] = cached
+        return cached
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Seconds by op class."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory
+
+    def __add__(self, other: OpTimes) -> OpTimes:
+        return OpTimes(self.gemm + other.gemm, self.attention + other.attention,
+                       self.memory + other.memory)
+
+    def scaled(self, k: float) -> OpTimes:
+        return OpTimes(self.gemm * k, self.attention * k, self.memory * k)
+
+
+ZERO = OpTimes()
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """One block, one micro-batch: forward, backward, and the recomputed forward."""
+
+    forward: OpTimes
+    backward: OpTimes
+    recompute: OpTimes
+
+
+def wave_efficiency(m: int, n: int, sms: int) -> float:
+    """Tile and wave quantisation: the useful share of the output tiles the SMs compute, wave
+    by wave (a partial tile at an edge and a partial last wave both idle tensor cores; 1 when
+    no SM count is known)."""
+    if sms <= 0:
+        return 1.0
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+    waves = math.ceil(tiles / sms)
+    return (m * n / (TILE * TILE)) / (waves * sms)
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(m: int, n: int, k: int, chip: Chip, operand_bytes: int = 2) -> float:
+    """One (m x k) @ (k x n) GEMM."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    eff = chip.gemm * k / (k + chip.k_half) * wave_efficiency(m, n, chip.sms)
+    compute = 2.0 * m * n * k / (chip.peak * eff)
+    moved = operand_bytes * (m * k + k * n + m * n) / chip.hbm if chip.hbm else 0.0
+    return max(compute, moved)
+
+
+def linear_times(tokens: int, k: int, n: int, chip: Chip, q: int) -> tuple[float, float]:
+    """(forward, backward) of one linear layer of a k x n weight over `tokens` rows: backward is
+    the input gradient (tokens x n @ n x k) and the weight gradient (k x tokens @ tokens x n)."""
+    fwd = gemm_time(tokens, n, k, chip, q)
+    bwd = gemm_time(tokens, k, n, chip, q) + gemm_time(k, n, tokens, chip, q)
+    return fwd, bwd
+
+
+def memory_time(nbytes: float, chip: Chip) -> float:
+    return nbytes / chip.hbm if chip.hbm else 0.0
+
+
+@lru_cache(maxsize=16384)
+def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp: int, cp: int,
+                sp: bool, q: int, residual_bytes: int, fused: bool, dropout: bool,
+                whole_block_recompute: bool, chip: Chip) -> BlockTimes:
+    """One block of `kind` ("dense" or "moe") on one rank, for one micro-batch."""
+    tokens = micro_batch * seq_len // cp
+    h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
+    r = max(q, residual_bytes)
+    # projections: (k, n) per rank, with the tokens each sees
+    mats = [(tokens, h, (a + 2 * kv) * hd // tp), (tokens, a * hd // tp, h)]
+    if kind == "moe":
+        routed = tokens * model.top_k
+        width = model.expert_ffn // tp
+        up = width * (2 if model.gated else 1)
+        mats += [(tokens, h, model.experts)]  # router
+        for n_tok in (routed, tokens * model.shared_experts):
+            if n_tok:
+                mats += [(n_tok, h, up), (n_tok, width, h)]
+        ffn_elems = (model.top_k + model.shared_experts) * width
+    else:
+        width = model.ffn // tp
+        mats += [(tokens, h, width * (2 if model.gated else 1)), (tokens, width, h)]
+        ffn_elems = width
+    fwd_g = bwd_g = 0.0
+    last_fwd = 0.0
+    for n_tok, k, n in mats:
+        f, b = linear_times(n_tok, k, n, chip, q)
+        fwd_g, bwd_g, last_fwd = fwd_g + f, bwd_g + b, f
+    att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
+    wide = 2 * (r + q) + 2 * (q + 2 * r + (1 if dropout else 0))  # norms, residual adds
+    narrow = (3 if model.gated else 2) * q  # the activation, per ffn element
+    fwd_bytes = tokens * (wide * h / (tp if sp else 1) + narrow * ffn_elems)
+    fwd_m = memory_time(fwd_bytes, chip)
+    forward = OpTimes(gemm=fwd_g, memory=fwd_m) + att_f
+    backward = OpTimes(gemm=bwd_g, memory=2 * fwd_m) + att_b
+    recompute = forward if whole_block_recompute else \
+        OpTimes(gemm=fwd_g - last_fwd, memory=fwd_m) + att_f
+    return BlockTimes(forward, backward, recompute)
+
+
+def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd: int, q: int,
+               fused: bool, dropout: bool, chip: Chip) -> tuple[OpTimes, OpTimes]:
+    """(forward, backward) of the attention core of one block on one rank."""
+    local_heads = max(heads // tp, 1)
+    if fused:
+        # causal: each rank's queries see half the keys on average (load-balanced across cp)
+        fwd_flops = 2.0 * micro_batch * seq_len * seq_len * local_heads * hd / cp
+        t = fwd_flops / (chip.peak * chip.attention)
+        return OpTimes(attention=t), OpTimes(attention=2.5 * t)
+    s = seq_len // cp
+    per = micro_batch * local_heads
+    fwd_g = per * (gemm_time(s, seq_len, hd, chip, q) + gemm_time(s, hd, seq_len, chip, q))
+    bwd_g = per * (3 * gemm_time(s, hd, seq_len, chip, q) + gemm_time(s, seq_len, hd, chip, q))
+    scores = per * s * seq_len
+    drop = 2 * q + 1 if dropout else 0
+    fwd_m = memory_time(scores * (2 * q + drop), chip)
+    bwd_m = memory_time(scores * (3 * q + drop), chip)
+    return OpTimes(attention=fwd_g, memory=fwd_m), OpTimes(attention=bwd_g, memory=bwd_m)
+
+
+@lru_cache(maxsize=4096)
+def head_times(model: ModelDims, micro_batch: int, seq_len: int, tp: int, cp: int, q: int,
+               residual_bytes: int, chip: Chip) -> OpTimes:
+    """The output layer and the loss on the last stage, forward and backward: the d x V/tp GEMM
+    (forward, input and weight gradients), the final norm, and the loss's softmax over the
+    vocabulary shard (read the logits, an fp32 softmax, its gradient written back)."""
+    tokens = micro_batch * seq_len // cp
+    f, b = linear_times(tokens, model.hidden, model.vocab // tp, chip, q)
+    r = max(q, residual_bytes)
+    loss_bytes = tokens * (model.vocab // tp) * (2 * q + 8)
+    norm_bytes = 3 * tokens * model.hidden * (r + q)
+    return OpTimes(gemm=f + b, memory=memory_time(loss_bytes + norm_bytes, chip))
+
+
+@lru_cache(maxsize=4096)
+def embedding_time(model: ModelDims, micro_batch: int, seq_len: int, cp: int, q: int,
+                   chip: Chip) -> OpTimes:
+    """The embedding lookup and its gradient's scatter-add (fp32) on the first stage."""
+    tokens = micro_batch * seq_len // cp
+    return OpTimes(memory=memory_time(tokens * model.hidden * (2 * q + 8), chip))
+
+
+def optimizer_time(params_on_rank: float, grad_bytes: int, low_precision_params: bool,
+                   chip: Chip) -> float:
+    """AdamW over the rank's optimizer shard: master, both moments read and written (24 bytes),
+    the gradient read for the norm, the update and its zeroing (3 x grad_bytes), and the
+    low-precision parameter copy written (2) when parameters are held in it."""
+    per_param = 24 + 3 * grad_bytes + (2 if low_precision_params else 0)
+    return memory_time(params_on_rank * per_param, chip)
