@@ -11,6 +11,7 @@ exercises the same code paths as a multi-GPU one), and a layout that asks for FS
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -123,6 +124,55 @@ def launcher_store(timeout_s: float) -> dist.Store:
                          timeout=timedelta(seconds=timeout_s))
 
 
+def all_ranks_here(world: int) -> bool:
+    """Whether every rank of the group runs on this machine: a world of one, or a launcher that
+    says so (LOCAL_WORLD_SIZE, which torchrun and the local launch set, equal to the world). A
+    launcher that does not set it may have ranks elsewhere: no guess is made."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return world == 1 or (local is not None and int(local) == world)
+
+
+#: the environment that picks the interface gloo's and NCCL's sockets listen on
+SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS and the BSDs)."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+#: what bind_to_loopback replaced, put back by `shutdown` (None: the variable was not set)
+_REPLACED_IFNAMES: dict[str, str | None] = {}
+
+
+def bind_to_loopback() -> None:
+    """Make this process's gloo groups (and NCCL's bootstrap) listen on the loopback interface.
+
+    For a group whose ranks all run on this machine: by default gloo listens on the address this
+    host's name resolves to and NCCL on its first non-loopback interface, which other machines
+    can reach. Set before any group is made (each new group reads it) and kept until `shutdown`;
+    a choice of interface in the environment is overridden meanwhile, since no peer of this
+    group is elsewhere."""
+    name = loopback_interface()
+    if name is None:
+        return
+    for variable in SOCKET_IFNAME_ENV:
+        _REPLACED_IFNAMES.setdefault(variable, os.environ.get(variable))
+        os.environ[variable] = name
+
+
+def restore_socket_interfaces() -> None:
+    """Put back what `bind_to_loopback` replaced (a process that trains in-process, like a
+    notebook calling shardwise.train, keeps its own choice for whatever it runs next)."""
+    for variable, value in _REPLACED_IFNAMES.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
+    _REPLACED_IFNAMES.clear()
+
+
 def init_distributed(section: ParallelSection, store: dist.Store | None = None, *,
                      deterministic: bool = False) -> DistContext:
     """Join the process group named by the environment (or `store`) and build the mesh.
@@ -154,6 +204,8 @@ def init_distributed(section: ParallelSection, store: dist.Store | None = None, 
             count_start(store, rank)  # the attempt all nodes agree on (resilience.attempt)
         attempt = launch_attempt()
         base_store = store
+        if all_ranks_here(world):
+            bind_to_loopback()
         store = dist.PrefixStore(f"/shardwise/attempt_{attempt}", store)
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         forget_meshes()  # a group of an earlier run in this process (verify's layouts in turn)
@@ -199,6 +251,7 @@ def shutdown(clean: bool = False) -> None:
             dist.barrier()
         dist.destroy_process_group()
     forget_meshes()
+    restore_socket_interfaces()
 
 
 def forget_meshes() -> None:
