@@ -57,6 +57,9 @@ def test_scaling_at_one_two_and_four_workers(study):
         steps = [e for e in evs if e["kind"] == "step"]
         tps[p["world"]] = statistics.median(e["tokens_per_s"] for e in steps[1:])
         assert p["tokens_per_s"] == tps[p["world"]]
+        windows = [e["tokens_per_s"] for e in steps[1:]]
+        assert p["tokens_per_s_se"] == pytest.approx(
+            (3.141592653589793 / 2) ** 0.5 * statistics.stdev(windows) / len(windows) ** 0.5)
         evals = [e for e in evs if e["kind"] == "eval"]
         hit = next((e for e in evals if e["val_loss"] <= TARGET), None)
         assert p["tokens_to_target"] == (hit["step"] * 256 if hit else None)

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardwise.compare.figures import figures_of
 from shardwise.compare.runs import RunData
+from shardwise.compare.stats import median_se
 from shardwise.compare.text import fmt
 
 STRONG, WEAK = "strong", "weak"
@@ -28,6 +29,7 @@ class ScalePoint:
     layout: str
     global_batch: int | None
     tokens_per_s: float | None
+    tokens_per_s_se: float | None  # standard error of that median, from its log windows
     tokens_per_s_per_rank: float | None
     efficiency: float | None
     comm_share: float | None
@@ -54,6 +56,7 @@ def scale_points(runs: list[tuple[int, RunData, float | None]], target: float | 
         points.append(ScalePoint(
             world=world, run_dir=str(data.path), layout=str(data.facts.get("topology.layout", "")),
             global_batch=int(batch) if isinstance(batch, int) else None, tokens_per_s=tps,
+            tokens_per_s_se=median_se(f.tokens_per_s),
             tokens_per_s_per_rank=tps / world if tps else None, efficiency=eff,
             comm_share=f.comm_share,
             step_time_s=statistics.median(f.step_time_s) if f.step_time_s else None,
@@ -64,13 +67,14 @@ def scale_points(runs: list[tuple[int, RunData, float | None]], target: float | 
 
 
 def render(points: list[ScalePoint], mode: str, target: float | None) -> str:
-    head = ["world", "layout", "global batch", "tokens/s", "per rank", "efficiency",
+    head = ["world", "layout", "global batch", "tokens/s", "±", "per rank", "efficiency",
             "comm share", "step p50", "held-out", f"to {target:g} (s)" if target else "to target",
             "tokens to target", "launch (s)"]
     rows = [head]
     for p in points:
         rows.append([str(p.world), p.layout, str(p.global_batch or "—"),
-                     fmt(p.tokens_per_s, "tokens/s"), fmt(p.tokens_per_s_per_rank, "tokens/s"),
+                     fmt(p.tokens_per_s, "tokens/s"), _spread(p),
+                     fmt(p.tokens_per_s_per_rank, "tokens/s"),
                      fmt(p.efficiency, "%"), fmt(p.comm_share, "%"), fmt(p.step_time_s, "s"),
                      fmt(p.final_loss, "loss"),
                      ("not reached" if p.time_to_target_s is None else fmt(p.time_to_target_s, "s"))
@@ -82,7 +86,27 @@ def render(points: list[ScalePoint], mode: str, target: float | None) -> str:
              f"; efficiency against linear scaling from world {points[0].world}"]
     lines += ["  ".join(v.rjust(w) if j else v.ljust(w) for j, (v, w) in
                         enumerate(zip(r, widths, strict=True))) for r in rows]
+    noisy = [p.world for p in points if _relative_se(p) > NOISY]
+    if noisy:
+        lines.append(f"note: the throughput of world {', '.join(map(str, noisy))} varied by more "
+                     f"than {NOISY:.0%} (standard error of the median, ± above) between log "
+                     "windows: was something else running on the machine? Its efficiency is "
+                     "uncertain by as much.")
     return "\n".join(lines)
+
+
+#: a relative standard error of throughput above this is worth a note
+NOISY = 0.05
+
+
+def _relative_se(p: ScalePoint) -> float:
+    if not p.tokens_per_s or p.tokens_per_s_se is None:
+        return 0.0
+    return p.tokens_per_s_se / p.tokens_per_s
+
+
+def _spread(p: ScalePoint) -> str:
+    return f"{_relative_se(p):.1%}" if p.tokens_per_s_se is not None else "—"
 
 
 def as_dict(points: list[ScalePoint], mode: str, target: float | None) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def delta(row: Row, i: int) -> str:
     if d is None:
         return ""
     if row.unit == "loss":
-        return f"{d:+.4f}"
+        return f"{d:+.1e}" if 0 < abs(d) < 5e-5 else f"{d:+.4f}"
     return f"{rel:+.1%}" if rel is not None else f"{d:+g}"
 
 
