@@ -423,9 +423,11 @@ def predict_memory(layout: Layout, model: Any, batch: Batch,
                         device)
 
 
+@lru_cache(maxsize=8192)
 def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, index: tuple,
                  m: int, params: CostParams, device: str = "cuda") -> tuple[MemoryBreakdown, int]:
-    """Memory grows with the micro-batches in flight: per kind of rank, the one holding most."""
+    """Memory grows with the micro-batches in flight: per kind of rank, the one holding most.
+    Cached: the search asks for a layout's memory before it predicts its time."""
     held = flights(lo.schedule, lo.pp, lo.v, m)
     most: dict[int, int] = {}
     for r, i in enumerate(index):

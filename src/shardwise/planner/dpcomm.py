@@ -42,20 +42,22 @@ def dp_comm(model: ModelDims, load: RankLoad, lo: Layout, m: int, precision: str
             cluster: ClusterSpec, params: CostParams) -> DpComm:
     """What `lo`'s data parallelism communicates on a rank of this `load` (micro-batch and
     recompute do not enter: layouts that differ only in those share the cached entry)."""
+    p = params
     return _dp_comm(model, load, lo.zero, lo.dp_shard, lo.dp_replicate, lo.tp, lo.cp, lo.ep,
-                    lo.pp, lo.order, m, precision, cluster, params)
+                    lo.pp, lo.order, m, precision, cluster, p.bandwidth_efficiency,
+                    p.collective_latency_s, p.grad_bytes, p.low_precision_params,
+                    p.reduce_every_micro_batch)
 
 
 @lru_cache(maxsize=65536)
 def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_replicate: int,
              tp: int, cp: int, ep: int, pp: int, order: str, m: int, precision: str,
-             cluster: ClusterSpec, params: CostParams) -> DpComm:
-    p = params
+             cluster: ClusterSpec, bandwidth_efficiency: float, latency: float, gb: int,
+             low_precision_params: bool, reduce_every_micro_batch: bool) -> DpComm:
     lo = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, tp=tp, cp=cp, ep=ep,
                 pp=pp, order=order)
     g, _ = comm.mesh_groups(tp, cp, dp_shard, dp_replicate, pp, ep, order, cluster,
-                            p.bandwidth_efficiency, p.collective_latency_s)
-    gb = p.grad_bytes
+                            bandwidth_efficiency, latency)
     nd = lo.dp_shard * lo.cp
     ne = max(1, nd // lo.ep)
     rp = rank_params(model, load, lo.tp, lo.ep)
@@ -71,7 +73,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
             gather_linear * expert_p, g["shard_experts"]) + lat
         t_rs = comm.reduce_scatter(gb * dense_p, g["shard"]) + comm.reduce_scatter(
             gb * expert_p, g["shard_experts"]) + lat
-        reductions = m if p.reduce_every_micro_batch else 1
+        reductions = m if reduce_every_micro_batch else 1
         t_ar = comm.all_reduce(gb * (dense_p / nd + expert_p / ne), g["replicate"])
         return DpComm(
             gather_per_mb=gathers * t_ag / m, early_reduce_per_mb=(reductions - 1) * t_rs / m,
@@ -86,7 +88,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
     if lo.dp <= 1:
         return DpComm(0.0, 0.0, 0.0, 0.0, dense_p + expert_p, 0.0, 0.0, 0.0, 0.0, False)
     full = gb * (dense_p + expert_p)
-    distributed = lo.zero == 1 and p.low_precision_params
+    distributed = lo.zero == 1 and low_precision_params
     if distributed:  # Megatron's distributed optimizer: reduce-scatter the gradients
         t_red = comm.reduce_scatter(full, g["dp"])
         red_bytes = (lo.dp - 1) / lo.dp * full

@@ -1,0 +1,232 @@
+"""The kernel-time model against its formulas, pods and mesh order in placement, `--explain`'s
+decomposition, what a run costs, and the CLI's new flags (exit codes and output)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli.main import main
+from shardwise.errors import SpecError
+from shardwise.planner import comm, costing, explain, kernels
+from shardwise.planner.accuracy import Interval
+from shardwise.planner.cluster import PRESETS as CLUSTERS
+from shardwise.planner.cluster import resolve_cluster
+from shardwise.planner.cost import TERMS, predict
+from shardwise.planner.layout import Batch, Layout, layout_problem
+from shardwise.planner.models import ModelDims, preset
+from shardwise.planner.search import orders
+from shardwise.spec.cluster import load_cluster
+
+CHIP = kernels.Chip(peak=1e15, gemm=0.5, attention=0.4, k_half=128.0, sms=100, hbm=2e12)
+GPT = ModelDims(name="gpt", layers=4, hidden=1024, heads=8, ffn=4096, vocab=32000, gated=False)
+
+
+# --- kernels -------------------------------------------------------------------------------------
+
+def test_gemm_time_is_flops_over_the_efficiency_it_earns() -> None:
+    # 1280 x 1280 output: 10 x 10 = 100 tiles on 100 SMs, one full wave
+    m = n = 1280
+    k = 4096
+    expected = 2 * m * n * k / (1e15 * 0.5 * k / (k + 128))
+    assert kernels.gemm_time(m, n, k, CHIP) == pytest.approx(expected)
+    # a partial edge tile and a second, almost empty wave cost their idle tensor cores
+    assert kernels.wave_efficiency(1280, 1280, 100) == 1.0
+    assert kernels.wave_efficiency(1290, 1280, 100) == pytest.approx(
+        (1290 * 1280 / 128**2) / (2 * 100))
+    assert kernels.wave_efficiency(64, 64, 0) == 1.0
+    # never faster than reading its operands and writing its output
+    fast = kernels.Chip(peak=1e18, gemm=0.5, attention=0.4, k_half=0.0, sms=0, hbm=2e12)
+    assert kernels.gemm_time(8, 4096, 4096, fast) == pytest.approx(
+        2 * (8 * 4096 + 4096 * 4096 + 8 * 4096) / 2e12)
+
+
+def test_memory_bound_bytes_of_a_block_are_counted_per_op() -> None:
+    """GeLU block, bf16 (q = r = 2), no dropout, tp 1: forward moves 2 norms x (r+q) + 2 residual
+    adds x (q+2r) bytes per hidden element and 2q per FFN element; backward twice that."""
+    bt = kernels.block_times(GPT, "dense", 2, 512, 1, 1, False, 2, 2, True, False, False, CHIP)
+    tokens = 2 * 512
+    fwd_bytes = tokens * ((2 * 4 + 2 * 6) * 1024 + 4 * 4096)
+    assert bt.forward.memory == pytest.approx(fwd_bytes / 2e12)
+    assert bt.backward.memory == pytest.approx(2 * fwd_bytes / 2e12)
+    # fused attention: causal half of the square, backward 2.5x forward
+    flops = 2.0 * 2 * 512 * 512 * 8 * 128
+    assert bt.forward.attention == pytest.approx(flops / (1e15 * 0.4))
+    assert bt.backward.attention == pytest.approx(2.5 * bt.forward.attention)
+    # torch's checkpoint stops before the last projection; Megatron's reruns all of it
+    whole = kernels.block_times(GPT, "dense", 2, 512, 1, 1, False, 2, 2, True, False, True, CHIP)
+    assert whole.recompute == whole.forward and bt.recompute.gemm < bt.forward.gemm
+
+
+def test_optimizer_step_moves_its_bytes() -> None:
+    assert kernels.optimizer_time(1e9, 4, False, CHIP) == pytest.approx(1e9 * 36 / 2e12)
+    assert kernels.optimizer_time(1e9, 4, True, CHIP) == pytest.approx(1e9 * 38 / 2e12)
+
+
+def test_gpu_presets_carry_their_datasheet_device_figures() -> None:
+    h100, a100 = CLUSTERS["dgx-h100"](), CLUSTERS["a100-80g"]()
+    assert (h100.device.generation, h100.device.memory_bandwidth_gbs, h100.device.sms,
+            h100.device.power_w) == ("hopper", 3350.0, 132, 700.0)
+    assert (a100.device.generation, a100.device.memory_bandwidth_gbs, a100.device.sms,
+            a100.device.power_w) == ("ampere", 2039.0, 108, 400.0)
+    assert CLUSTERS["cpu-local"]().device.generation == ""
+
+
+# --- topology and placement ---------------------------------------------------------------------
+
+def _pods(tmp_path: Path, oversub: float = 7.0, nodes: int = 16, pod: int = 4) -> Path:
+    path = tmp_path / f"pods-{oversub}-{nodes}-{pod}.toml"
+    path.write_text(f'[cluster]\nbase = "dgx-h100"\nnodes = {nodes}\n[topology]\n'
+                    f'pod_nodes = {pod}\npod_oversubscription = {oversub}\n[cost]\n'
+                    'price_per_device_hour = 2.0\npue = 1.25\n')
+    return path
+
+
+def test_groups_across_pods_share_the_oversubscribed_uplinks(tmp_path: Path) -> None:
+    cluster = resolve_cluster(str(_pods(tmp_path)))
+    assert cluster.pod_devices == 32 and cluster.world == 128
+    inter = cluster.inter_bytes_per_s_per_device
+    inside = comm.group(4, 8, cluster, 1.0, 0.0)  # 4 nodes, one pod
+    across = comm.group(16, 8, cluster, 1.0, 0.0)  # 16 nodes, one member per node: 4 per pod
+    assert inside.pods == 1 and inside.bandwidth == pytest.approx(inter)
+    assert (across.pods, across.per_pod) == (4, 4)
+    assert across.bandwidth == pytest.approx(min(inter, 4 * inter / 7.0))
+    assert across.pod_bound  # 4 NICs' worth of uplink / 7 is less than the one NIC a member has
+    calm = comm.group(16, 8, resolve_cluster(str(_pods(tmp_path, oversub=2.0))), 1.0, 0.0)
+    assert calm.bandwidth == pytest.approx(inter) and not calm.pod_bound
+    wide = comm.group(4, 32, cluster, 1.0, 0.0)  # one member per pod
+    assert wide.bandwidth == pytest.approx(inter / 7.0) and wide.pod_bound
+    assert "across 4 pods (1:7)" in wide.link
+
+
+def test_mesh_orders_place_the_axes_inside_out() -> None:
+    assert comm.strides(8, 2, 4, 2, 16) == {"tp": 1, "cp": 8, "dp_shard": 16,
+                                            "dp_replicate": 64, "pp": 128, "ep": 8}
+    assert comm.strides(8, 2, 4, 2, 16, "tp-cp-pp-dp") == {"tp": 1, "cp": 8, "pp": 16,
+                                                           "dp_shard": 256, "dp_replicate": 1024,
+                                                           "ep": 8}
+    model, batch = preset("llama3-8b"), Batch(64, 8192)
+    cluster = resolve_cluster("dgx-h100", nodes=8)
+    lo = Layout(dp_shard=4, zero=2, tp=8, pp=2, schedule="1f1b", order="tp-cp-pp-dp")
+    assert layout_problem(lo, model, cluster, batch) is None and not lo.available
+    assert lo.name().endswith("+dp-outer")
+    bad = Layout(dp_shard=4, zero=2, tp=8, pp=2, schedule="1f1b", order="pp-first")
+    assert "mesh order" in (layout_problem(bad, model, cluster, batch) or "")
+
+
+def test_the_search_tries_data_parallel_outermost_only_across_pods(tmp_path: Path) -> None:
+    pods = resolve_cluster(str(_pods(tmp_path)))
+    flat = resolve_cluster("dgx-h100", nodes=16)
+    assert orders(pods, 2, 4) == ("tp-cp-dp-pp", "tp-cp-pp-dp")
+    assert orders(flat, 2, 4) == orders(pods, 1, 4) == ("tp-cp-dp-pp",)
+
+
+@pytest.mark.parametrize("text, word", [
+    ("[topology]\npod_oversubscription = 0.5\n", "topology.pod_oversubscription"),
+    ("[device]\ngeneration = \"volta\"\n", "device.generation"),
+    ("[cost]\npue = 0.9\n", "cost.pue"),
+    ("[topology]\npods = 3\n", "topology.pods"),
+])
+def test_malformed_topology_device_and_cost_name_the_field(tmp_path: Path, text, word) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[cluster]\nbase = "dgx-h100"\n' + text)
+    with pytest.raises(SpecError) as err:
+        load_cluster(path, presets={n: m() for n, m in CLUSTERS.items()})
+    assert word in str(err.value)
+
+
+# --- explain and cost -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_pred():
+    lo = Layout(dp_shard=128, zero=2, tp=8, pp=16, schedule="interleaved-1f1b", v=7,
+                sequence_parallel=True, recompute="full")
+    return predict(lo, preset("llama3-405b"), resolve_cluster("dgx-h100", nodes=2048),
+                   Batch(2048, 8192))
+
+
+def test_the_breakdown_sums_to_the_step_and_explain_names_every_term(llama_pred) -> None:
+    p = llama_pred
+    assert set(p.breakdown) == set(TERMS)
+    assert sum(p.breakdown.values()) == pytest.approx(p.step_time_s, rel=1e-9)
+    text = explain.explain(p, resolve_cluster("dgx-h100", nodes=2048), None, "e = test")
+    for term, value in p.breakdown.items():
+        if value > 0:
+            assert explain.TERM_INFO[term][0] in text
+    assert "placement" in text and "tp: NVLink (one node)" in text and "bound:" in text
+
+
+def test_explain_finds_a_layout_by_rank_or_name(llama_pred) -> None:
+    other = predict(Layout(dp_shard=16, zero=3), preset("llama3-8b"),
+                    resolve_cluster("dgx-h100", nodes=2), Batch(64, 8192))
+    preds = [llama_pred, other]
+    assert explain.find(preds, "2") is other
+    assert explain.find(preds, llama_pred.layout.name()) is llama_pred
+    assert explain.find(preds, llama_pred.layout.name() + " mb1 full") is llama_pred
+    assert explain.find(preds, llama_pred.layout.name() + " none") is None
+    assert explain.find(preds, "9") is None
+
+
+def test_run_cost_is_time_power_and_price(tmp_path: Path, llama_pred) -> None:
+    cluster = resolve_cluster(str(_pods(tmp_path)))
+    band = Interval(low=0.8, high=1.25, runs=10, basis="hopper")
+    cost = costing.run_cost(llama_pred, cluster, 15e12, band)
+    seconds = 15e12 / llama_pred.tokens_per_s
+    assert cost.seconds == pytest.approx(seconds) and cost.days == pytest.approx(seconds / 86400)
+    assert cost.device_hours == pytest.approx(128 * seconds / 3600)
+    watts = 80.0 + (700.0 - 80.0) * cost.busy
+    assert cost.energy_kwh == pytest.approx(128 * seconds * watts * 1.25 / 3.6e6)
+    assert cost.money == pytest.approx(cost.device_hours * 2.0)
+    assert cost.scale_range == pytest.approx((0.8, 1.25))
+    assert 0 < cost.busy <= 1
+    assert costing.run_cost(llama_pred, resolve_cluster("dgx-h100"), 1e9).money is None
+
+
+@pytest.mark.parametrize("text, tokens", [("15T", 15e12), ("300B", 3e11), ("2.5M", 2.5e6),
+                                          ("1000", 1e3)])
+def test_token_budgets_are_powers_of_ten(text, tokens) -> None:
+    assert costing.parse_tokens(text) == tokens
+    with pytest.raises(ValueError):
+        costing.parse_tokens("lots")
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+def test_cli_tokens_explain_and_the_interval(tmp_path: Path, capsys) -> None:
+    assert main(["plan", "--model", "llama3-8b", "--cluster", str(_pods(tmp_path, nodes=2, pod=1)),
+                 "--global-batch-tokens", "1M", "--top", "2", "--explain", "1",
+                 "--tokens", "1T"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU band" in out and "on comparable published runs" in out
+    assert "step" in out and "placement (mesh order" in out
+    assert "a run of 1,000,000,000,000 tokens" in out and "days" in out
+
+
+@pytest.mark.parametrize("flag, value, word", [("--explain", "100000", "--explain '100000'"),
+                                               ("--tokens", "many", "--tokens 'many'")])
+def test_cli_bad_explain_or_tokens_exit_2(capsys, flag, value, word) -> None:
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+                 "--global-batch-tokens", "1M", flag, value]) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_cli_validate_prints_every_row_and_the_score(capsys) -> None:
+    reference = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
+    assert main(["plan", "--validate", str(reference)]) == 0
+    out = capsys.readouterr().out
+    assert "sc21-1t" in out and "mean absolute" in out and "by source" in out
+    assert main(["plan", "--validate", "/nonexistent.toml"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_json_carries_the_interval(capsys) -> None:
+    import json
+
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+                 "--global-batch-tokens", "1M", "--top", "1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    low, high = row["mfu_interval"]
+    assert low < row["mfu"] < high and math.isclose(sum(row["breakdown"].values()),
+                                                    row["step_time_s"], rel_tol=1e-9)

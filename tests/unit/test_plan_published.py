@@ -1,0 +1,165 @@
+"""The planner against the published record: the reference set (benchmarks/published_runs.toml)
+loads and converts each source's throughput figure as the source defines it, every row is
+predicted within the error the validation reports, the fit and leave-one-source-out machinery
+does what it says, and the interval comes from the held-out residuals."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from shardwise.planner import accuracy, published, validate
+from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
+from shardwise.planner.fitted import FITTED, HELD_OUT_RATIOS, SCORES
+from shardwise.planner.params import CostParams
+
+REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
+
+
+@pytest.fixture(scope="module")
+def refs() -> list[published.Reference]:
+    return published.load(REFERENCE)
+
+
+@pytest.fixture(scope="module")
+def results(refs) -> list[validate.RowResult]:
+    return validate.predict_all(refs, DEFAULT_PARAMS)
+
+
+def test_the_reference_set_has_independent_sources_and_cites_every_row(refs) -> None:
+    sources = {r.source.id: r.source for r in refs}
+    assert len(sources) >= 3 and len(refs) >= 30
+    for s in sources.values():
+        assert s.title and s.where and s.url.startswith("https://") and s.notes
+    for r in refs:
+        assert r.measured_kind in published.MEASURED_KINDS
+        assert r.gpus == r.candidates[0].world
+        assert 0.15 < r.measured_mfu < 0.70, r.id
+
+
+@pytest.mark.parametrize("run, peak, printed", [
+    ("sc21-1t", 312.0, 163.0),  # Narayanan et al. Table 1: TFLOP/s by their Eq. 3
+    ("mcore-462b", 989.4, 459.9),  # Megatron-Core README: TFLOP/s by num_floating_point_operations
+    ("llama3-405b-128k-16384gpu", 989.4, 380.0),  # Llama 3 Table 4: PaLM's MFU
+])
+def test_each_sources_figure_is_read_with_its_own_flop_formula(refs, run, peak, printed) -> None:
+    """Turning the printed TFLOP/s into tokens/s and back with the source's formula gives the
+    printed figure; shardwise's own MFU of the same run differs by the formulas' conventions."""
+    r = next(x for x in refs if x.id == run)
+    formula = published.MEASURED_KINDS[r.measured_kind]
+    assert formula is not None
+    back = r.measured_tokens_per_s * formula(r.model, r.batch.seq_len) / r.gpus / 1e12
+    assert back == pytest.approx(printed)
+    assert r.published_mfu == pytest.approx(printed / peak, abs=0.006)
+
+
+def test_the_flop_formulas_are_the_published_ones(refs) -> None:
+    m = next(x for x in refs if x.id == "sc21-1t").model  # l 128, h 25600, V 51200, s 2048
+    s, h, layers, v = 2048, 25600, 128, 51200
+    assert published.megatron_sc21_flops_per_token(m, s) == pytest.approx(
+        96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)))
+    llama = next(x for x in refs if x.id.startswith("llama3")).model
+    n = 126 * llama.layer_matmul_params("dense") + 128256 * 16384
+    assert published.palm_flops_per_token(llama, 8192) == pytest.approx(
+        6 * n + 12 * 126 * 128 * 128 * 8192)
+
+
+def test_every_row_is_predicted_within_the_reported_error(results) -> None:
+    """The built-in CostParams are the fit on all rows: the in-sample error the validation
+    reports (benchmarks/RESULTS.md) holds row by row."""
+    score = validate.score(results)
+    assert score.mae == pytest.approx(SCORES["in_sample_mae"], abs=0.05)
+    assert score.max_abs <= 8.0
+    assert score.mae <= 3.0
+    for r in results:
+        assert abs(r.error) <= 8.0, (r.ref.id, r.error)
+
+
+def test_every_published_layout_fits_but_llama3s_8k_rows(results) -> None:
+    """A run that ran fits; the two 8K Llama 3 rows do not under the textbook activation count
+    (Korthikanti et al.) at 16-18 micro-batches in flight: Meta's deallocation and schedule
+    changes that made them fit are not published (the report says so)."""
+    not_fitting = {r.ref.id for r in results if not r.any_fits}
+    assert not_fitting == {"llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu"}
+
+
+def test_unknown_fields_are_searched_and_the_choice_is_printed(refs, results) -> None:
+    r = next(x for x in results if x.ref.id == "mcore-462b")
+    assert set(r.ref.unknown) == {"schedule", "v", "micro_batch", "recompute"}
+    assert len(r.ref.candidates) > 10
+    assert "mb " in r.chosen() and "recompute " in r.chosen()
+
+
+def test_params_apply_a_sources_mechanics_without_shardwise_overheads(refs) -> None:
+    sc21 = next(x for x in refs if x.id == "sc21-530b").params(DEFAULT_PARAMS)
+    assert sc21.low_precision_params and sc21.grad_bytes == 2 and sc21.overlapped == ()
+    assert sc21.fsdp_unit_overhead_s == 0.0 and not sc21.fused_attention
+    assert sc21.gemm_efficiency_ampere == DEFAULT_PARAMS.gemm_efficiency_ampere
+
+
+def test_the_defaults_are_the_fit_written_by_the_bench() -> None:
+    params = CostParams()
+    for name in FITTED_FIELDS:
+        assert getattr(params, name) == FITTED[name]
+    for name, (low, high) in validate.BOUNDS.items():
+        assert low <= FITTED[name] <= high
+
+
+def test_the_fit_recovers_efficiencies_that_generated_the_measurements(refs) -> None:
+    """Measurements made by the cost model at known efficiencies are fitted back to them."""
+    rows = [r for r in refs if r.id in ("sc21-1.7b", "sc21-145b", "mcore-16b", "mcore-32b")]
+    truth = dataclasses.replace(DEFAULT_PARAMS, gemm_efficiency_ampere=0.7,
+                                gemm_efficiency_hopper=0.6)
+    cands = {r.id: (r.candidates[:1], True) for r in rows}
+    made = [dataclasses.replace(r, measured_tokens_per_s=validate.predict_row(
+        r, truth, cands[r.id]).prediction.tokens_per_s) for r in rows]
+    only = ("gemm_efficiency_ampere", "gemm_efficiency_hopper")
+    start = {**validate.START, **{f: getattr(truth, f) for f in FITTED_FIELDS if f not in only}}
+    old = validate.START, validate.fitted_fields
+    validate.START, validate.fitted_fields = start, lambda _: only
+    try:
+        fitted = validate.fit(made, DEFAULT_PARAMS, cands)
+    finally:
+        validate.START, validate.fitted_fields = old
+    assert fitted.gemm_efficiency_ampere == pytest.approx(0.7, abs=0.01)
+    assert fitted.gemm_efficiency_hopper == pytest.approx(0.6, abs=0.01)
+
+
+def test_leave_one_source_out_never_fits_on_the_held_out_source(refs, monkeypatch) -> None:
+    seen: list[set[str]] = []
+
+    def fake_fit(train, base, cands=None, progress=None):
+        seen.append({r.source.id for r in train})
+        return base
+
+    monkeypatch.setattr(validate, "fit", fake_fit)
+    rows = [r for r in refs if r.id in ("sc21-1.7b", "mcore-1.7b", "megascale-megatron-256gpu")]
+    held, folds = validate.leave_one_source_out(rows, DEFAULT_PARAMS)
+    assert [r.ref.id for r in held] == [r.id for r in rows]
+    assert set(folds) == {r.source.id for r in rows}
+    for source, train in zip(folds, seen, strict=True):
+        assert source not in train and len(train) == 2
+
+
+def test_fitted_fields_follow_what_the_rows_exercise(refs) -> None:
+    ampere_unfused = [r for r in refs if r.source.id == "narayanan-sc21"]
+    fields = validate.fitted_fields(ampere_unfused)
+    assert "gemm_efficiency_ampere" in fields and "gemm_k_half_ampere" in fields
+    assert not any(f.endswith("hopper") for f in fields)
+    assert "attention_efficiency_ampere" not in fields  # SC21 ran unfused attention
+
+
+def test_the_interval_is_the_held_out_residuals_quantiles() -> None:
+    band = accuracy.interval("hopper")
+    assert band is not None and band.basis == "hopper"
+    assert band.runs == len(HELD_OUT_RATIOS["hopper"])
+    low, high = accuracy.quantiles(HELD_OUT_RATIOS["hopper"], (0.1, 0.9))
+    assert (band.low, band.high) == (low, high) and low < 1.0 < high
+    assert band.around(0.40) == pytest.approx((0.40 * low, 0.40 * high))
+    assert accuracy.interval("") is None
+    assert accuracy.quantiles([1.0, 2.0, 3.0, 4.0, 5.0], (0.1, 0.5, 0.9)) == pytest.approx(
+        [1.4, 3.0, 4.6])  # numpy's linear interpolation
+    text = accuracy.describe(0.41, band)
+    assert text.startswith("41.0 % MFU, ") and "on comparable published runs" in text
