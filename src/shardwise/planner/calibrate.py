@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, UserError
-from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, Prediction, predict
+from shardwise.planner.cost import OVERHEAD_FIELDS, OVERLAPPABLE, CostParams, Prediction, predict
 from shardwise.planner.layout import Batch, Layout, batch_of, layout_of
 from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import ClusterSpec
@@ -601,6 +601,18 @@ def validate_params(params: CostParams, origin: str = "the cost parameters") -> 
             raise bad(name, "a finite number of at least 0")
     if params.residual_bytes not in (2, 4):
         raise bad("residual_bytes", "2 (bf16) or 4 (fp32)")
+    if params.grad_bytes not in (2, 4):
+        raise bad("grad_bytes", "2 (fp16/bf16) or 4 (fp32)")
+    for name in ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
+                 "attention_efficiency_ampere", "attention_efficiency_hopper"):
+        if not 0 < getattr(params, name) <= 1:
+            raise bad(name, "in (0, 1]")
+    for name in ("gemm_k_half_ampere", "gemm_k_half_hopper"):
+        if not (getattr(params, name) >= 0 and math.isfinite(getattr(params, name))):
+            raise bad(name, "a finite number of at least 0")
+    unknown = [x for x in params.overlapped if x not in OVERLAPPABLE]
+    if unknown:
+        raise bad("overlapped", f"a list of {', '.join(OVERLAPPABLE)} (not {', '.join(unknown)})")
     return params
 
 

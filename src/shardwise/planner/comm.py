@@ -12,7 +12,9 @@ nodes gets min(intra, k x the inter-node bandwidth per device): NCCL runs one ri
 (rail-optimised fabric), and the node's NICs are shared by its devices, since every group of the
 axis communicates at once. A group across pods (`[topology] pod_nodes`) with j members per pod
 gets at most j x the inter-node bandwidth per device / the pod oversubscription: every group of
-the axis crosses the oversubscribed layer at once, j NICs per pod at a time.
+the axis crosses the oversubscribed layer at once, j NICs per pod at a time. On a rail-optimised fabric
+(`[topology] rails`) a group whose members share their local index (its stride a multiple of the
+devices per node) stays on one rail: said in the placement, not a different bandwidth.
 
 Costs (S bytes the collective is about, N ranks, B the group's bandwidth x
 `CostParams.bandwidth_efficiency`; Thakur, Rabenseifner & Gropp 2005 for the ring volumes, the
@@ -53,6 +55,7 @@ class Group:
     pods: int = 1  # pods it spans
     per_pod: int = 0  # members per pod (0: all in one)
     oversubscription: float = 1.0  # of the layer between pods, when it spans several
+    rail: bool = False  # on a rail-optimised fabric, its members share a local index: one rail
 
     @property
     def inter(self) -> bool:
@@ -65,10 +68,11 @@ class Group:
             return "none"
         if not self.inter:
             return "NVLink (one node)"
+        rail = ", one rail" if self.rail else ""
         if self.pods > 1:
             return (f"network across {self.pods} pods (1:{self.oversubscription:g}), "
-                    f"{self.per_pod} per pod")
-        return f"network, {self.nodes} nodes"
+                    f"{self.per_pod} per pod{rail}")
+        return f"network, {self.nodes} nodes{rail}"
 
     @property
     def pod_bound(self) -> bool:
@@ -90,14 +94,16 @@ def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base:
     per_node = min(per_node, size)
     nodes = math.ceil(size / per_node)
     bandwidth = min(intra, per_node * inter_dev)
+    rail = cluster.topology.rails and stride % g == 0
     pod = cluster.pod_devices
     if size * stride <= pod:
-        return Group(size, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base)
+        return Group(size, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base,
+                     rail=rail)
     per_pod = min(size, max(1, pod // stride))
     pods = math.ceil(size / per_pod)
     over = cluster.topology.pod_oversubscription
     return Group(size, nodes, per_node, min(bandwidth, per_pod * inter_dev / over), inter_dev,
-                 intra, a_in, a_out, base, pods, per_pod, over)
+                 intra, a_in, a_out, base, pods, per_pod, over, rail)
 
 
 @lru_cache(maxsize=8192)

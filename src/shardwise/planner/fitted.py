@@ -6,36 +6,36 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 04:35 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
+GENERATED = "2026-12-05 05:01 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.7593,
-    "gemm_efficiency_hopper": 0.5442,
+    "gemm_efficiency_ampere": 0.7547,
+    "gemm_efficiency_hopper": 0.5449,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.6435,
-    "gemm_k_half_ampere": 4.3949,
-    "gemm_k_half_hopper": 511.768,
-    "overlap": 0.8335,
+    "attention_efficiency_hopper": 0.642,
+    "gemm_k_half_ampere": 0.0,
+    "gemm_k_half_hopper": 512.0,
+    "overlap": 0.8302,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        1.2115, 1.1503, 1.0638, 1.0027, 1.0383, 0.9812, 1.0149, 1.0005, 1.0496, 1.0295,
-        1.0224, 0.9883, 0.9458, 0.9288, 0.9557, 0.9736, 0.9026, 0.899,
+        1.2101, 1.1493, 1.0634, 1.0025, 1.0382, 0.9812, 1.0151, 1.0006, 1.0499, 1.0299,
+        1.0224, 0.9883, 0.9458, 0.9288, 0.9557, 0.9737, 0.9026, 0.8991,
     ),
     "hopper": (
-        0.8393, 0.9954, 1.1481, 1.2835, 1.0913, 1.032, 1.031, 1.1196, 1.0905, 1.2163,
-        1.2038, 1.3498, 0.9632, 0.8954, 0.9845, 0.969, 0.8414, 0.8441, 0.8385, 0.843,
-        0.8607, 0.883, 0.8148, 0.828, 0.8445, 0.8042, 0.8109,
+        0.839, 0.9952, 1.1482, 1.2841, 1.0915, 1.032, 1.0309, 1.1194, 1.0902, 1.2196,
+        1.2058, 1.3498, 0.9619, 0.8953, 0.983, 0.9676, 0.8418, 0.8444, 0.8387, 0.8423,
+        0.86, 0.882, 0.8138, 0.8269, 0.8434, 0.8033, 0.8099,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 2.79,
-    "in_sample_max": 6.413,
-    "held_out_mae": 4.121,
-    "held_out_max": 9.826,
+    "in_sample_mae": 2.796,
+    "in_sample_max": 6.435,
+    "held_out_mae": 4.136,
+    "held_out_max": 9.842,
 }
