@@ -74,7 +74,8 @@ def write_scaling_page(points: list[ScalePoint], mode: str, target: float | None
     rows = "".join(
         "<tr>" + "".join(f"<td>{escape(v)}</td>" for v in (
             str(p.world), p.layout, str(p.global_batch or "—"), fmt(p.tokens_per_s, "tokens/s"),
-            fmt(p.tokens_per_s_se, "tokens/s"), fmt(p.tokens_per_s_per_rank, "tokens/s"), fmt(p.efficiency, "%"),
+            fmt(p.tokens_per_s_se, "tokens/s"), fmt(p.tokens_per_s_per_rank, "tokens/s"),
+            fmt(p.efficiency, "%"),
             fmt(p.comm_share, "%"), fmt(p.step_time_s, "s"), fmt(p.final_loss, "loss"),
             fmt(p.time_to_target_s, "s"), fmt(p.tokens_to_target, "tokens"),
             fmt(p.launch_s, "s"))) + "</tr>" for p in points)
