@@ -225,8 +225,10 @@ def test_cli_json_carries_the_interval(capsys) -> None:
     import json
 
     assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
-                 "--global-batch-tokens", "1M", "--top", "1", "--json"]) == 0
+                 "--global-batch-tokens", "1M", "--top", "1", "--json", "--tokens", "1T"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
+    assert row["run"]["days"] == pytest.approx(1e12 / row["tokens_per_s"] / 86400)
+    assert row["run"]["money"] is None and row["run"]["energy_kwh"] > 0
     low, high = row["mfu_interval"]
     assert low < row["mfu"] < high and math.isclose(sum(row["breakdown"].values()),
                                                     row["step_time_s"], rel_tol=1e-9)

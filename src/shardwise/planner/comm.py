@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from shardwise.spec.cluster import ClusterSpec
 from shardwise.telemetry.comm_theory import ring_fraction
@@ -61,7 +61,7 @@ class Group:
     def inter(self) -> bool:
         return self.nodes > 1
 
-    @property
+    @cached_property
     def link(self) -> str:
         """Where its traffic runs, in words."""
         if self.size <= 1:
@@ -74,7 +74,7 @@ class Group:
                     f"{self.per_pod} per pod{rail}")
         return f"network, {self.nodes} nodes{rail}"
 
-    @property
+    @cached_property
     def pod_bound(self) -> bool:
         """Whether the oversubscribed layer between pods is what limits its bandwidth."""
         return self.pods > 1 and self.per_pod * self.inter_bandwidth / self.oversubscription \

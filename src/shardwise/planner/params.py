@@ -27,7 +27,7 @@ class CostParams:
     def __hash__(self) -> int:  # hashed by every cached cost term: compute it once
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            cached = hash(tuple(self.__dict__[name] for name in _FIELD_NAMES))
             self.__dict__["_hash"] = cached
         return cached
 
@@ -140,6 +140,8 @@ OVERHEAD_FIELDS = ("fsdp_unit_overhead_s", "fsdp_gather_overhead_s", "tp_op_over
                    "zero1_tensor_overhead_s", "cp_chunk_overhead_s")
 
 DEFAULT_PARAMS = CostParams()
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CostParams))
 
 #: which `CostParams.overlapped` entries the cost model knows
 OVERLAPPABLE = ("tp", "cp", "pp", "dp", "dp_under_pp", "param_gather")

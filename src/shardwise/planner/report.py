@@ -7,8 +7,9 @@ from typing import Any
 
 from shardwise.planner.accuracy import HIGH_Q, LOW_Q, Interval
 from shardwise.planner.cost import Prediction
+from shardwise.planner.costing import run_cost
 from shardwise.planner.search import PlanResult
-from shardwise.spec.cluster import GIB
+from shardwise.spec.cluster import GIB, ClusterSpec
 from shardwise.spec.load import spec_from_dict, spec_to_toml
 from shardwise.spec.runspec import RunSpec
 from shardwise.spec.toml import toml_value as _toml_value
@@ -17,10 +18,18 @@ JSON_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "v", "c
              "micro_batch", "recompute", "mem_per_rank_bytes", "step_time_s", "tokens_per_s", "mfu")
 
 
-def layouts_json(predictions: list[Prediction], band: Interval | None = None) -> str:
+def layouts_json(predictions: list[Prediction], band: Interval | None = None,
+                 cluster: ClusterSpec | None = None, tokens: float | None = None) -> str:
+    """The predictions as a JSON list; with `tokens` (and the cluster) each carries its run's
+    cost (`planner/costing.py`)."""
     out = []
     for p in predictions:
         row = p.as_dict()
+        if tokens and cluster is not None:
+            c = run_cost(p, cluster, tokens, band)
+            row["run"] = {"tokens": tokens, "days": c.days, "device_hours": c.device_hours,
+                          "energy_kwh": c.energy_kwh, "money": c.money, "busy": c.busy,
+                          "scale_range": list(c.scale_range) if c.scale_range else None}
         if band is not None:
             row["mfu_interval"] = list(band.around(p.mfu))
             row["tokens_per_s_interval"] = list(band.around(p.tokens_per_s))
@@ -78,8 +87,8 @@ def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
         if not best.layout.available:
             ready = next((p for p in result.feasible if p.layout.available), None)
             lines.append("")
-            lines.append("note: #1 uses expert parallel (or context with pipeline parallel), "
-                         "which shardwise does not run yet"
+            lines.append("note: #1 uses expert parallel, context with pipeline parallel or a "
+                         "data-parallel-outermost mesh, which shardwise does not run yet"
                          + (f"; the best it runs today: {ready.layout.name()} ({100 * ready.mfu:.1f} % MFU)"
                             if ready else "") + ".")
         if not m.opaque:
@@ -161,6 +170,6 @@ def spec_text(pred: Prediction, result: PlanResult, base: RunSpec | None) -> str
         header.append(f"# {c.nodes} nodes: start it under torchrun --nnodes {c.nodes} "
                       f"--nproc-per-node {c.devices_per_node} (the world is their product)")
     if not lo.available:
-        header.append("# ep > 1, or cp > 1 with pp > 1: this version of shardwise does not run "
-                      "them yet")
+        header.append("# ep > 1, cp > 1 with pp > 1, or data parallel outermost (+dp-outer): this "
+                      "version of shardwise does not run them yet")
     return "\n".join(header) + "\n\n" + body
