@@ -5,11 +5,12 @@ communication, bubble); `search` ranks every valid layout by predicted tokens/s.
 each: `cluster` (presets), `models` (what the planner knows of a model), `layout` (a candidate and
 its validity), `memory`, `compute` (FLOPs), `kernels` (kernel time by op class on a GPU), `comm`
 (collectives and placement), `dpcomm` (data-parallel traffic), `bubble`, `overhead` (framework
-overhead), `params` (`CostParams`), `cost` (`predict`), `search`, `report` (table, JSON,
-RunSpec), `calibrate` (the error on finished runs and the CostParams that fit them), `fit` (the
-will-it-fit check `shardwise train` runs); against published runs: `published` (the reference
-set), `validate` (predict, score, fit, leave one source out), `published_report`, `fitted` (the
-fit, generated), `accuracy` (the interval), `explain` (`--explain`), `costing` (`--tokens`).
+overhead), `params` (`CostParams`), `cost` (`predict`), `prediction` (what it returns),
+`search`, `report` (table, JSON, RunSpec), `calibrate` (the error on finished runs and the
+CostParams that fit them), `fit` (the will-it-fit check `shardwise train` runs); against
+published runs: `published` (the reference set), `validate` (predict, score, fit, leave one
+source out), `published_report`, `fitted` (the fit, generated), `accuracy` (the interval),
+`explain` (`--explain`), `costing` (`--tokens`).
 """
 
 from shardwise.planner.cost import CostParams, Prediction, predict, predict_memory
