@@ -6,7 +6,8 @@ or sequence-parallel; this module shards their parameters as DTensors on the `tp
 makes each such module compute with its local shard:
 - colwise (a Linear): weight split by output features; its input is the full activation;
 - rowwise (a Linear): weight split by input features; its partial outputs are summed over tp;
-  rowwise on an Embedding is the vocabulary-parallel lookup (rows split by token id);
+  rowwise on an Embedding is the vocabulary-parallel lookup (rows split by token id; a
+  `padding_idx` row keeps a zero gradient, on the rank that holds it);
 - with sequence parallel, the activations between blocks (norms, residual adds) are split along
   the sequence (dim 1): a rowwise output is a reduce-scatter, a colwise input an all-gather, and
   the norm weights ("sequence" modules) are replicated DTensors whose gradients are partial sums;
@@ -52,6 +53,7 @@ from shardwise.parallel.tp_collectives import TPRegion, Transform, _GatherWhole,
 # before they moved to vocab_parallel.py (new code imports them from there)
 from shardwise.parallel.vocab_parallel import (  # noqa: F401
     VocabLookup,
+    embedding_refusal,
     loss_context,
     vocab_parallel_loss_sum,
 )
@@ -112,13 +114,14 @@ def _parallelize(name: str, module: nn.Module, kind: str, region: TPRegion, loss
                          after=region.vocab_output(loss_par) if kind == "output" else None)
     elif kind == "embedding":
         _expect(module, nn.Embedding, name, kind)
-        if module.padding_idx is not None or module.max_norm is not None:
-            raise PlanError(f"{name}: a vocabulary-parallel embedding supports neither "
-                            "padding_idx nor max_norm; remove it from the tensor-parallel plan "
-                            "or construct the embedding without them.")
+        embedding = cast(nn.Embedding, module)
+        if refusal := embedding_refusal(name, embedding):  # a plan's own check says it earlier
+            raise PlanError(refusal)
         shard({"weight": Shard(0)})
-        lookup = VocabLookup(region, rows=module.weight.to_local().shape[0])
+        lookup = VocabLookup(region, rows=cast(DTensor, embedding.weight).to_local().shape[0],
+                             padding_idx=embedding.padding_idx)
         _compute_locally(module, region, before=lookup.local_ids, after=lookup.combine)
+        lookup.use_local_padding(embedding)
     else:  # rowwise
         _expect(module, nn.Linear, name, kind)
         shard({"weight": Shard(1), "bias": Replicate()})

@@ -1,6 +1,7 @@
-"""Vocabulary parallel: the embedding lookup of a vocabulary-sharded table (`VocabLookup`), and
-the cross entropy of vocabulary-sharded logits (`vocab_parallel_loss_sum`, and torch's
-`loss_parallel` context for code that calls F.cross_entropy on them: `loss_context`).
+"""Vocabulary parallel: the embedding lookup of a vocabulary-sharded table (`VocabLookup`, and
+`embedding_refusal` for the embedding options it cannot honour), and the cross entropy of
+vocabulary-sharded logits (`vocab_parallel_loss_sum`, and torch's `loss_parallel` context for
+code that calls F.cross_entropy on them: `loss_context`).
 
 The tensor-parallel styles (`tensor_parallel.py`) shard the embedding's and the output
 projection's rows by token id; these are the pieces that compute on those shards.
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -25,11 +27,20 @@ if TYPE_CHECKING:
 
 class VocabLookup:
     """Vocabulary-parallel embedding: each rank looks up the tokens of its `rows` rows (zeros
-    for the others); the reduction over tp (`reduce_output`) leaves every token's one real row."""
+    for the others); the reduction over tp (`reduce_output`) leaves every token's one real row.
 
-    def __init__(self, region: TPRegion, rows: int) -> None:
+    `padding_idx` (global, as the module has it): the padding row is looked up like any other
+    (its values, which transformers initialises to zero), and its gradient is zero, as
+    `nn.Embedding` makes it. The lookup runs the module's own forward on the local shard, so the
+    row is given to it by its local index on the rank that holds it (`local_padding_idx`) and
+    not at all on the others: there the global index would name another token's row, and the
+    local row 0 that every other rank's token is looked up from gets no gradient anyway (its
+    output is masked)."""
+
+    def __init__(self, region: TPRegion, rows: int, padding_idx: int | None = None) -> None:
         self.region, self.rows = region, rows
         self.start = region.rank * rows
+        self.local_padding_idx = local_row(padding_idx, self.start, rows)
         self.outside: list[torch.Tensor] = []  # per call in flight, for `combine`
 
     def local_ids(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -41,6 +52,52 @@ class VocabLookup:
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         out = out.masked_fill(self.outside.pop().unsqueeze(-1), 0.0)
         return self.region.reduce_output(out)
+
+    def use_local_padding(self, module: nn.Embedding) -> None:
+        """Hooks that give `module` this rank's padding index for the duration of each forward
+        (`F.embedding` reads `module.padding_idx`) and put the global one back after it, also
+        when the forward raises: outside the forward the module stays what it was built as."""
+        held: list[int | None] = []  # a stack: safe under re-entrant calls
+
+        def pre(_mod: nn.Module, _args: tuple) -> None:
+            held.append(module.padding_idx)
+            module.padding_idx = self.local_padding_idx
+
+        def post(_mod: nn.Module, _args: tuple, _out: object) -> None:
+            module.padding_idx = held.pop()
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post, always_call=True)
+
+
+def local_row(row: int | None, start: int, rows: int) -> int | None:
+    """`row` (a global vocabulary row, or None) as an index into the shard of `rows` rows that
+    starts at `start`; None when another shard holds it."""
+    if row is None or not start <= row < start + rows:
+        return None
+    return row - start
+
+
+def embedding_refusal(name: str, embedding: nn.Embedding) -> str:
+    """Why the vocabulary-parallel lookup cannot run `embedding` (empty: it can), as a message
+    for the user. Each rank looks up every token it does not hold from its local row 0 and
+    masks the result, and that stand-in breaks the options that act on the rows a lookup
+    touches: `max_norm` renormalises them in place (row 0 of every rank would be renormalised
+    for tokens it does not hold), `scale_grad_by_freq` divides a row's gradient by how often
+    the micro-batch looks it up (row 0 would count the other ranks' tokens); a `sparse`
+    gradient cannot be the DTensor shard the optimizer and the gradient norm take.
+    `padding_idx` is supported (`VocabLookup`)."""
+    options = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq,
+               "sparse": embedding.sparse}
+    used = {key: value for key, value in options.items()
+            if value is not None and value is not False}
+    if not used:
+        return ""
+    named = " and ".join(f"{key} = {value}" for key, value in used.items())
+    return (f"{name} is an embedding with {named}, which tensor parallel's vocabulary-split "
+            "lookup (style `embedding`) does not support: each rank looks up the tokens it does "
+            "not hold from a stand-in row. Use tp = 1 (every data-parallel layout and pipeline "
+            f"parallel train it), or build the embedding without {' and '.join(used)}.")
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
