@@ -7,7 +7,11 @@
   style by style through `HF_TP_STYLES` — an HF style not listed there is refused, never guessed.
   shardwise adds what sequence parallel needs and HF does not declare: the norms between blocks
   and the final norm are `sequence` modules, and the modules holding the colwise / rowwise pairs
-  (attention, MLP) are `full_input` regions;
+  (attention, MLP) are `full_input` regions. What tensor parallel would refuse when it applies
+  the plan inside the workers is refused here instead (`_check_appliable`), so the launcher says
+  it before any worker starts: an embedding option the vocabulary split cannot honour
+  (`max_norm`, `scale_grad_by_freq`, `sparse`; `padding_idx` is supported) and a tied tensor
+  two styles would split differently;
 - tied groups: found by identity (every tie HF made at build time stays one tensor);
 - shape and FLOPs: from the config and the parameter shapes of one block;
 - experts: the experts modules of the sparse-MoE blocks `shardwise.models.hf.moe` adapted (their
@@ -16,13 +20,24 @@
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from shardwise.models.hf.adapter import HFCausalLM, Layout
 from shardwise.models.hf.moe import moe_of
-from shardwise.models.plan import TP_STYLES, ModelPlan, ModelShape, PlanError, Stages, unique_params
+from shardwise.models.plan import (
+    TP_STYLES,
+    ModelPlan,
+    ModelShape,
+    PlanError,
+    Stages,
+    find_tied,
+    unique_params,
+)
+from shardwise.parallel.vocab_parallel import embedding_refusal
 from shardwise.telemetry.flops import FlopCounts
 
 # HF tensor-parallel style -> shardwise style. `output` / `embedding` are decided by the module
@@ -133,7 +148,60 @@ def _tp(model: HFCausalLM, declared: dict[str, str]) -> dict[str, str]:
         if region.count(".") > blocks.count(".") + 1:  # a sub-module of the block, not the block
             tp.setdefault(region, "full_input")
     # first match wins in ModelPlan.tp_style: regions and norms must not shadow their insides
-    return dict(sorted(tp.items(), key=lambda kv: -kv[0].count(".")))
+    tp = dict(sorted(tp.items(), key=lambda kv: -kv[0].count(".")))
+    _check_appliable(model, tp)
+    return tp
+
+
+# How tensor parallel (shardwise.parallel.tensor_parallel) splits a parameter under each style;
+# a parameter of a module outside the plan, or of a `full_input` / `tokens` module, stays whole.
+_SPLITS = {("colwise", "weight"): "by row", ("colwise", "bias"): "by row",
+           ("output", "weight"): "by row", ("output", "bias"): "by row",
+           ("embedding", "weight"): "by row",
+           ("rowwise", "weight"): "by column", ("rowwise", "bias"): "replicated",
+           ("replicated", "weight"): "replicated", ("replicated", "bias"): "replicated",
+           ("sequence", "weight"): "replicated under sequence parallel",
+           ("sequence", "bias"): "replicated under sequence parallel"}
+
+
+def _style(tp: Mapping[str, str], name: str) -> str | None:
+    """The style `ModelPlan.tp_style` gives module `name` (first matching pattern)."""
+    return next((style for pattern, style in tp.items() if fnmatch.fnmatchcase(name, pattern)),
+                None)
+
+
+def _check_appliable(model: nn.Module, tp: Mapping[str, str]) -> None:
+    """PlanError for what `apply_tensor_parallel` would refuse (or fail on) in every worker, so
+    that it is said once, by the launcher, before any worker starts (tp > 1 only: the error
+    becomes the plan's `tp_unavailable`). Types and split sizes are checked from `tp_sizes`
+    (`shardwise.parallel.checks`); these are the rest."""
+    for name, module in model.named_modules():
+        if _style(tp, name) != "embedding" or not isinstance(module, nn.Embedding):
+            continue
+        if refusal := embedding_refusal(name, module):
+            raise PlanError(refusal)
+    for group in find_tied(model):
+        _check_tie(group, tp)
+
+
+def _check_tie(group: tuple[str, ...], tp: Mapping[str, str]) -> None:
+    """A tied tensor is one tensor: every module that holds it must split it the same way (an
+    input embedding `embedding` and the output projection `output`: both by vocabulary row), or
+    it would be split for one module and whole (or split otherwise) for the other."""
+    splits = {}
+    for param in group:
+        module, _, attr = param.rpartition(".")
+        style = _style(tp, module)
+        splits[param] = (style, _SPLITS.get((style or "", attr), "whole"))
+    if len({split for _, split in splits.values()}) > 1:
+        ways = "; ".join(f"{param} {split} ({'style ' + repr(style) if style else 'not in the plan'})"
+                         for param, (style, split) in splits.items())
+        raise PlanError(
+            f"the model's tensor-parallel plan would split the tied tensor {' = '.join(group)} "
+            f"in different ways: {ways}. A tied tensor is split once, the same way for every "
+            "module that holds it: give the input embedding the style \"embedding\" "
+            "(HF: \"embedding_rowwise\") and the output projection \"output\" (HF: "
+            "\"colwise_rep\"), or untie them (tie_word_embeddings = false).")
 
 
 def _translate(pattern: str, style: str, out_name: str, in_names: set[str]) -> str:
