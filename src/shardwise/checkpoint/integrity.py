@@ -3,7 +3,9 @@
 Hashing is split across ranks (file i to rank i mod world) both when a checkpoint is written and
 when it is verified, so a large checkpoint costs each rank only its share. A checkpoint whose
 files do not match — truncated, bit-flipped, missing — is reported by file, and the loader falls
-back to the newest checkpoint that does match. Directories are `Location`s (a local path or an
+back to the newest checkpoint that does match. This detects corruption, not tampering: whoever can
+change a shard can rewrite meta.json too, and loading a checkpoint unpickles its metadata, so a
+checkpoint is trusted like code (docs/security.md). Directories are `Location`s (a local path or an
 object-store prefix, see `shardwise.checkpoint.location`); listing and reading go through it.
 """
 
