@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+
+import pytest
 
 from shardwise.data.ledger import audit
+from shardwise.errors import UserError
+from shardwise.spec import spec_from_dict, spec_to_toml
 from tests.support.ranks import run_ranks
-from tests.support.specs import tiny_spec
+from tests.support.specs import tiny_spec, tiny_spec_dict
 from tests.support.workers import train, train_single
 
 
@@ -67,3 +73,49 @@ def test_rollback_to_a_checkpoint_inside_the_streak_never_retrains_skipped(small
     report = audit(run_dir)
     assert report.exact, report.problems
     assert (report.steps, report.skipped) == (8, 8)
+
+
+def test_rollbacks_are_capped_per_launch(small_corpus, tmp_path):
+    """#26 item 6: a state that diverges again after every rollback ends the run with one
+    paragraph after `failure.max_rollbacks` (before: it rolled back forever, skipping more data
+    each time)."""
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 12},
+                     checkpoint={"enabled": True, "every": 2},
+                     failure={"faults": "nan:step=3;nan:step=5;nan:step=7", "nan_patience": 1,
+                              "max_rollbacks": 2})
+    with pytest.raises(UserError, match=r"diverged again.*after 2 rollbacks in this launch "
+                                        r"\(samples \[16, 24\), \[40, 48\) skipped\)"):
+        train_single(spec)
+    assert [e["step"] for e in events(run_dir, "rollback")] == [2, 4]
+
+
+@pytest.mark.grid  # an elastic restart: ~15 s
+@pytest.mark.timeout(240)
+def test_a_rollbacks_skip_survives_a_crash_before_the_next_save(small_corpus, tmp_path):
+    """#26 item 6: the skipped range is written when the rollback happens (RUN_DIR/
+    skipped.json), so a worker killed before the next checkpoint restarts from the older
+    checkpoint and still never trains the batches that diverged (before: the skip lived only in
+    the data cursor, saved with the next checkpoint, and the restart trained them again)."""
+    run_dir = tmp_path / "run"
+    data = tiny_spec_dict(small_corpus, run_dir, run={"dir": str(run_dir), "steps": 6},
+                          checkpoint={"enabled": True, "every": 2, "async_save": False},
+                          parallel={"nproc": 2, "dp_shard": 2},
+                          failure={"faults": "nan:step=3;kill:rank=1:step=4:phase=forward",
+                                   "nan_patience": 1, "max_restarts": 1})
+    config = tmp_path / "job.toml"
+    config.write_text(spec_to_toml(spec_from_dict(data).validate()))
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", str(config)], cwd=tmp_path,
+                          text=True, capture_output=True, timeout=200)  # (the killed attempt
+    assert proc.returncode == 0, proc.stderr  # prints its ranks' tracebacks: not checked here)
+    (rollback,) = events(run_dir, "rollback")
+    assert rollback["skipped_samples"] == [16, 24]
+    assert json.loads((run_dir / "skipped.json").read_text()) == [[16, 24]]
+    (restart,) = events(run_dir, "restart")
+    assert restart["resumed_from_step"] == 2  # the step-2 checkpoint, saved before the skip
+    trained = [json.loads(line) for f in sorted((run_dir / "ledger").glob("rank-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert all(b <= 16 or a >= 24 for r in trained if r["launch"] >= 1 for a, b in r["ranges"])
+    report = audit(run_dir)
+    assert report.exact, report.problems
+    assert (report.steps, report.skipped) == (6, 8)

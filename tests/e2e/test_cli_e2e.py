@@ -72,9 +72,10 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]  # none twice
     assert (run_dir / "checkpoints" / "step-000006" / "meta.json").is_file()
 
-    # resuming a finished run is a user error, not a silent no-op
+    # resuming a finished run (a requeue after the final save) changes nothing and says so
     proc = shardwise("train", "--resume", str(run_dir), cwd=tmp_path)
-    assert proc.returncode == 2 and "already at step 6" in proc.stderr
+    assert proc.returncode == 0 and "is complete" in proc.stderr, proc.stderr
+    assert [e["step"] for e in events(run_dir) if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.timeout(240)

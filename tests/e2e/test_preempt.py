@@ -84,6 +84,42 @@ def test_signal_to_one_rank_stops_all_and_resumes_bitwise(reference, small_corpu
     _assert_same_state(resumed, reference)
 
 
+@pytest.mark.timeout(180)
+def test_a_signal_before_the_first_step_exits_75_and_loses_nothing(reference, small_corpus,
+                                                                    tmp_path):
+    """#26 item 4: the handlers are installed at the worker's first line, so SIGUSR1 to rank 1
+    while the workers start (here: just after they joined the group; before, a signal any time
+    before the trainer existed killed the workers, exit 1) stops every rank before the first
+    step with exit 75; the next launch trains from step 0 to the uninterrupted result."""
+    config, run_dir = _config(small_corpus, tmp_path), tmp_path / "run"
+    spec = _spec(config, run_dir, ['failure.faults="signal:rank=1:phase=startup:sig=SIGUSR1"'])
+    with pytest.raises(Preempted, match=r"preempted by SIGUSR1 during start-up \(join\), before "
+                                        r"the first step: nothing was lost") as caught:
+        run_layout("early", spec, run_dir)
+    assert caught.value.exit_code == PREEMPTED_EXIT
+    marker = json.loads((run_dir / MARKER).read_text())
+    assert (marker["step"], marker["checkpoint"], marker["phase"]) == (None, None, "join")
+    assert not (run_dir / "metrics.jsonl").exists()  # it stopped before its event log opened
+
+    resumed = run_layout("resumed", spec.replace("failure", faults=""), run_dir, resume=True)
+    _assert_same_state(resumed, reference)
+
+
+@pytest.mark.timeout(180)
+def test_a_signal_during_the_final_save_does_not_lose_it(reference, small_corpus, tmp_path):
+    """#26 item 2: SIGUSR1 lands on rank 1 while the final asynchronous checkpoint is written
+    (Slurm's --signal=USR1@grace as a job sized to its time limit ends). The handlers stay
+    installed until the last commit (before, they were removed before the final save was waited
+    for, so the signal killed the worker: nothing committed, exit 1): the save commits, the run
+    ends normally and equals the uninterrupted one."""
+    config, run_dir = _config(small_corpus, tmp_path), tmp_path / "run"
+    fault = f"signal:rank=1:step={STEPS}:phase=checkpoint-write:sig=SIGUSR1"
+    outcome = run_layout("final", _spec(config, run_dir, [f'failure.faults="{fault}"']), run_dir)
+    assert (run_dir / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").exists()
+    assert not (run_dir / MARKER).exists() and _events(run_dir, "run_end")
+    _assert_same_state(outcome, reference)
+
+
 @pytest.mark.slow  # ~40 s: a CLI launch, a signal mid-run, a resume
 @pytest.mark.timeout(180)
 def test_sigterm_to_the_launcher_exits_75_and_resumes_bitwise(reference, small_corpus, tmp_path):

@@ -1,28 +1,72 @@
 """One rule decides whether a launch resumes (`shardwise.run.resume`), the same under every
-launcher: asked for (--resume) -> a checkpoint must exist; a restart -> the newest valid
-checkpoint, or step 0 again when the failure came before the first one; otherwise fresh.
-Checked under shardwise's own elastic launcher and under torchrun --max-restarts."""
+launcher: continued (--resume, which Slurm requeues and `shardwise launch` use too, or a restart)
+-> the newest valid checkpoint, or step 0 when the run never committed one; otherwise fresh. A
+resume may not change the model, data or seed; one of a complete run is a no-op. Checked under
+shardwise's own elastic launcher, under torchrun --max-restarts, and through the CLI."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shardwise.cli.main import main
 from shardwise.data.ledger import audit
 from shardwise.run.resume import ResumeMode, resume_mode
 from shardwise.spec import spec_from_dict, spec_to_toml
+from tests.support.cli import assert_user_error, flat
 from tests.support.specs import tiny_spec_dict
 
 
 def test_the_rule():
     assert resume_mode(False, 0) is ResumeMode.FRESH
-    assert resume_mode(False, 2) is ResumeMode.IF_ANY
-    assert resume_mode(True, 0) is ResumeMode.REQUIRED
-    assert resume_mode(True, 1) is ResumeMode.REQUIRED
+    assert resume_mode(False, 2) is ResumeMode.CONTINUE
+    assert resume_mode(True, 0) is ResumeMode.CONTINUE
+    assert resume_mode(True, 1) is ResumeMode.CONTINUE
+
+
+def test_resume_continues_a_run_that_died_before_its_first_checkpoint(small_corpus, tmp_path,
+                                                                      capsys):
+    """#26 items 3 and 11: `--resume` (what a Slurm requeue and `shardwise launch` run once
+    spec.toml exists) of a run that died before its first checkpoint trains it from step 0 in
+    the same directory (before: exit 2 on every requeue, so the job could never start again);
+    a resume may not change the model, data or seed (data.seq_len was not checked); one that
+    stretches the schedule says how the learning rate moves; resuming a complete run is a no-op
+    with exit 0 (before: exit 2), unless it asked for a length the run already passed."""
+    run_dir = tmp_path / "run"
+    data = tiny_spec_dict(small_corpus, run_dir, run={"dir": str(run_dir), "steps": 4},
+                          checkpoint={"enabled": True, "every": 0, "async_save": False})
+    config = tmp_path / "job.toml"
+    config.write_text(spec_to_toml(spec_from_dict(data).validate()))
+    died = subprocess.run([sys.executable, "-m", "shardwise", "train", str(config)], cwd=tmp_path,
+                          text=True, capture_output=True, timeout=200,
+                          env={**os.environ, "SHARDWISE_FAULTS": "kill:step=2"})
+    assert died.returncode != 0 and not (run_dir / "checkpoints" / "step-000002").exists()
+
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    err = flat(capsys.readouterr().err)
+    assert "has no checkpoint yet" in err and "training from step 0" in err
+    assert audit(run_dir).exact and audit(run_dir).steps == 4
+    assert [e["step"] for e in _events(run_dir) if e["kind"] == "run_start"] == [0, 0]
+
+    for change, field in (("run.seed=8", "run.seed"), ("data.seq_len=16", "data.seq_len"),
+                          ("model.d_model=32", "model.d_model")):
+        assert_user_error((main(["train", "--resume", str(run_dir), "--set", change]),
+                           *capsys.readouterr()), f"it was trained with {field}",
+                          "start a new run")
+    assert main(["train", "--resume", str(run_dir)]) == 0  # complete: nothing to do
+    assert "is complete" in flat(capsys.readouterr().err)
+    assert_user_error((main(["train", "--resume", str(run_dir), "--set", "run.steps=3"]),
+                       *capsys.readouterr()), "already at step 4", "run.steps=N for some N > 4")
+
+    assert main(["train", "--resume", str(run_dir), "--set", "run.steps=6"]) == 0
+    err = flat(capsys.readouterr().err)
+    assert "the learning rate at step 4 moves from" in err and "run.steps 4 -> 6" in err
+    assert audit(run_dir).exact and audit(run_dir).steps == 6
 
 
 def _config(small_corpus, tmp_path, run_dir: str, every: int) -> Path:

@@ -228,3 +228,26 @@ def stage_dtensors(store: Any, root: str) -> dict[str, Any]:
         return report
     finally:
         dist.destroy_process_group()
+
+
+def train_with_slow_start(store: Any, spec: RunSpec, slow_rank: int, seconds: float) -> int:
+    """Train with one rank's data preparation taking `seconds` longer (a cold corpus on one node,
+    a large model directory hashed by rank 0); return the step reached."""
+    import time
+
+    import shardwise.run.worker as worker
+
+    real = worker.prepare_data
+
+    def slow(data: Any) -> Any:
+        import torch.distributed as dist
+
+        if dist.get_rank() == slow_rank:
+            time.sleep(seconds)
+        return real(data)
+
+    worker.prepare_data = slow
+    try:
+        return int(train(store, spec)["step"])
+    finally:
+        worker.prepare_data = real

@@ -25,6 +25,7 @@ from shardwise.resilience.watchdog import Watchdog
 from shardwise.run.monitors import Monitors, StepSample
 from shardwise.telemetry.comm.backends import BackendDeviceError, devices_served
 from shardwise.telemetry.comm.tap import CommTap
+from shardwise.telemetry.energy import EnergyMeter
 from shardwise.telemetry.straggler import StragglerDetector
 
 
@@ -263,6 +264,7 @@ def _monitors(tap: CommTap) -> Monitors:
     m.tap, m.window, m.events = tap, [], _Events()
     m.stragglers = StragglerDetector(1.5, 2)
     m.min_wire_bytes, m.current_straggler = None, ""
+    m.energy, m._energy_said = EnergyMeter(), True  # no counters: the window reports none
     return m
 
 

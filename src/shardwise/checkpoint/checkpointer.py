@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardwise.checkpoint import discovery
+from shardwise.checkpoint import discovery, ownership, volume
 from shardwise.checkpoint.integrity import Verdict, hash_files, sizes_match
 from shardwise.checkpoint.layout import META, rng_file, step_dir_name, step_of
 from shardwise.checkpoint.location import Location, StorageSpec
@@ -173,6 +173,10 @@ class Checkpointer:
         # The host buffers of every async save, kept (and reused) as long as the checkpointer.
         self.stager = HostStager(pin=None if device is None else device.type == "cuda")
         self._pending: _Pending | None = None
+        self.run_id: str | None = None  # set by `claim`: the run whose location this is
+        self._run_dir = Path(".")
+        self._owner_written = False
+        self._lock: ownership.FileLock | ownership.LeaseLock | None = None
         # A gloo group of its own (collective to create: every rank builds its Checkpointer at the
         # same point): background save collectives never interleave with training ones.
         self.group: dist.ProcessGroup | None = None
@@ -198,6 +202,67 @@ class Checkpointer:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    # --- whose location, which launch ------------------------------------------------------------
+    def claim(self, run_id: str, run_dir: Path, fresh: bool, wait_s: float) -> None:
+        """Make the location this run's for this launch (collective; see `checkpoint.ownership`):
+        refuse one another run owns (or, for a fresh run, one holding checkpoints nobody owns),
+        take the launch lock (waiting up to `wait_s` for a draining launch of the same run),
+        then remove saves a crash interrupted: under the lock, nobody else is writing them."""
+        self.run_id, self._run_dir = run_id, run_dir
+        problem: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                ownership.check_owner(self.root, self.storage.step_dirs(), run_id, run_dir, fresh)
+                self._lock = ownership.lock_for(self.root)
+                ownership.acquire(self._lock, ownership.launch_id(), run_id, wait_s, self.root)
+                self._owner_written = ownership.read_owner(self.root) is not None
+                self.storage.recover()
+                for stale in discovery.uncommitted(self.storage):
+                    print(f"note: removing {stale}, a save that was interrupted before its "
+                          "commit (never loaded)", file=sys.stderr)
+                    self.storage.remove(stale)
+            except UserError as err:
+                problem[0] = str(err)
+        if self.distributed:
+            dist.broadcast_object_list(problem, src=0, group=self.group)
+        if problem[0] is not None:
+            raise UserError(str(problem[0]))
+
+    def _check_room(self, step: int) -> None:
+        """Refuse a save that cannot fit (collective: rank 0 looks, every rank hears): the free
+        space of a local volume against the size of the newest checkpoint there."""
+        problem: list[Any] = [None]
+        if self.rank == 0:
+            newest = volume.newest_committed(self.storage.step_dirs())
+            needed = int(volume.checkpoint_bytes(newest) * volume.MARGIN) if newest else 0
+            free = volume.free_bytes(self.root)
+            if needed and free is not None and free < needed and newest is not None \
+                    and step_of(newest) != step:  # (a re-save of one step replaces it)
+                problem[0] = volume.full_message(self.root, step, needed, newest.name, free)
+        if self.distributed:
+            dist.broadcast_object_list(problem, src=0, group=self.group)
+        if problem[0] is not None:
+            raise UserError(str(problem[0]))
+
+    def _raise_if_full(self, err: BaseException, step: int, staging: Location) -> None:
+        """Re-word a write that ran out of room (see `checkpoint.volume`), giving the space of
+        the interrupted save back; any other error is left to the caller."""
+        if not volume.is_out_of_space(err):
+            return
+        newest = volume.newest_committed(self.storage.step_dirs())
+        needed = volume.checkpoint_bytes(newest) if newest is not None else 0
+        if self.rank == 0:
+            with contextlib.suppress(Exception):
+                self.storage.remove(staging)
+        raise UserError(volume.full_message(self.root, step, needed,
+                                            newest.name if newest else None)) from None
+
+    def release(self) -> None:
+        """Let go of the launch lock (after the last commit)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     # --- save ----------------------------------------------------------------------------------
     def save(self, step: int, components: dict[str, Any], meta: dict[str, Any],
              attach: tuple[Path, ...] = (), on_written: Callable[[], None] | None = None,
@@ -213,6 +278,7 @@ class Checkpointer:
         waited = time.perf_counter() - t0
         final = self.root / step_dir_name(step)
         staging = self.storage.staging(final)
+        self._check_room(step)
         if self.rank == 0:
             self.storage.prepare(staging, final)
         self._barrier()
@@ -224,11 +290,15 @@ class Checkpointer:
         pending = _Pending(record, on_committed)
         if not self.async_save:
             t_write = time.perf_counter()
-            with _quiet_single_process(self.distributed), peak_during(self.device) as peak:
-                dcp.save(state, storage_writer=self.storage.writer(staging),
-                         no_dist=not self.distributed)
-            record.device_peak_bytes = peak.bytes
-            self._finish(pending, None, staging, final, meta, extra, on_written, t0, t_write)
+            try:
+                with _quiet_single_process(self.distributed), peak_during(self.device) as peak:
+                    dcp.save(state, storage_writer=self.storage.writer(staging),
+                             no_dist=not self.distributed)
+                record.device_peak_bytes = peak.bytes
+                self._finish(pending, None, staging, final, meta, extra, on_written, t0, t_write)
+            except BaseException as err:  # (DCP's CheckpointException is a BaseException)
+                self._raise_if_full(err, step, staging)
+                raise
             record.stall_s = time.perf_counter() - t0
             self._pending = pending
             self.wait()
@@ -266,6 +336,11 @@ class Checkpointer:
             if self.rank == 0:
                 meta = {**meta, "step": record.step,
                         "save_seconds": round(time.perf_counter() - t0, 4), "files": files}
+                if self.run_id is not None:
+                    meta["run_id"] = self.run_id
+                    if not self._owner_written:  # the first save makes the location this run's
+                        ownership.write_owner(self.root, self.run_id, self._run_dir)
+                        self._owner_written = True
                 self.storage.commit(staging, final, json.dumps(meta, indent=2, sort_keys=True))
                 self._prune(record.step)
             self._barrier()
@@ -286,6 +361,8 @@ class Checkpointer:
         if pending.thread is not None:
             pending.thread.join()
         if pending.error is not None:
+            self._raise_if_full(pending.error, pending.record.step,
+                                self.storage.staging(pending.record.path))
             error = pending.error
             error.add_note(f"(while saving checkpoint {pending.record.path} in the background; "
                            "it was not committed and will never be loaded)")
@@ -308,16 +385,21 @@ class Checkpointer:
         except Exception:
             if not failing:
                 raise
+        finally:
+            self.release()
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
     def _prune(self, newest: int) -> None:
-        """Retention: keep the last `keep_last` checkpoints and every `keep_every`-th step."""
+        """Retention: keep the last `keep_last` committed checkpoints and every `keep_every`-th
+        step. Only committed ones count and go (an uncommitted save is not a checkpoint: counting
+        it would push a valid one out); the location is this run's (`claim`)."""
         if self.keep_last <= 0:
             return
-        steps = sorted(step for p in self.storage.step_dirs() if (step := step_of(p)) is not None)
+        steps = sorted(step for p in ownership.committed(self.storage.step_dirs())
+                       if (step := step_of(p)) is not None)
         keep = set(steps[-self.keep_last:]) | {newest}
         for step in steps:
             if step not in keep and not (self.keep_every and step % self.keep_every == 0):

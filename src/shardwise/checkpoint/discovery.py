@@ -27,9 +27,12 @@ def candidates(storage: Storage[Any]) -> list[Location]:
 
 
 def uncommitted(storage: Storage[Any]) -> list[Location]:
-    """Saves that were started and never committed (`step-N.staging`), on disk."""
+    """Saves that were started and never committed: `step-N.staging` on disk, a `step-N` prefix
+    without meta.json on object storage (where a save writes in place)."""
     root = storage.root
-    if not isinstance(root, Path) or not root.is_dir():
+    if not isinstance(root, Path):
+        return sorted(p for p in storage.step_dirs() if not (p / META).exists())
+    if not root.is_dir():
         return []
     return sorted(p for p in root.glob(f"step-*{STAGING}") if p.is_dir())
 

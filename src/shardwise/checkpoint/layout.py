@@ -12,6 +12,8 @@ saved step, `step-NNNNNN` (six digits or more, so names sort numerically only wh
     step-000140.staging/          a save in progress, or one a crash interrupted (never loaded)
     step-000120.replaced/         the old step-120 while a re-save swaps in the new one (disk only)
     location.json                 where the checkpoints are when not here (an S3 prefix)
+    owner.json                    the run this location belongs to (written by its first save)
+    .lock / lock.json             held by the launch saving here (flock on disk; a lease on S3)
 
 Torch-free: the CLI and the planner read these names without importing torch.
 """
@@ -24,6 +26,9 @@ from typing import Protocol, TypeVar
 
 META = "meta.json"
 LOCATION_FILE = "location.json"  # in RUN_DIR/checkpoints when the checkpoints live elsewhere
+OWNER = "owner.json"  # ROOT/owner.json: the run the location belongs to (checkpoint.ownership)
+LOCK = ".lock"  # ROOT/.lock: flock'd by the launch that saves there (disk)
+LEASE = "lock.json"  # ROOT/lock.json: the same, as a renewed lease (object storage)
 STAGING = ".staging"  # suffix of a save that is not committed yet
 REPLACED = ".replaced"  # the old step-N while a re-save without renameat2 swaps in the new one
 RNG_DIR = "rng"

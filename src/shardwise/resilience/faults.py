@@ -11,7 +11,9 @@ A fault list is `;`-separated; each fault is `kind:key=value:key=value`, for exa
     corrupt:step=4                         flip a byte of a checkpoint file after it is committed
     signal:rank=1:step=3:sig=SIGUSR1       send this rank a signal (default SIGTERM) as step 3
                                            enters forward: a preemption that reaches one rank
-Phases: data, forward, backward, optimizer, checkpoint-write. `rank` defaults to every rank,
+    signal:phase=startup                   the same before the first step, while the worker
+                                           starts (after it joined the group; step 0)
+Phases: startup, data, forward, backward, optimizer, checkpoint-write. `rank` defaults to every rank,
 `step` to every step. A fault fires in restart attempt 0 only (set `attempt=N` for another), so
 that the restarted run can get past it.
 """

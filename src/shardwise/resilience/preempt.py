@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.compat import side_group
 from shardwise.spec.failure import parse_signals
 
 #: EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry" — a preempted
 #: run is complete up to its checkpoint and continues when re-launched.
 PREEMPTED_EXIT = 75
 MARKER = "preempted.json"
+#: the marker's phase when the signal reached the launcher and not a worker's handler
+LAUNCHER_PHASE = "launcher"
 
 
 #: the signals torch's elastic agent handles by default
@@ -48,12 +49,30 @@ def agent_signals(preempt_signals: str) -> str:
 
 class SignalFlag:
     """The first preemption signal this process received (handlers only record it: all work
-    happens at the next step boundary, in the training thread)."""
+    happens at the next step boundary, in the training thread).
+
+    Signal handlers belong to the process, so a process has one flag: `for_process` returns it,
+    installing handlers for signals it does not handle yet. A worker's entry point takes it first
+    (a signal while torch is imported is a preemption, not a kill), and the trainer later asks
+    for the same flag with the spec's signals, keeping whatever it caught in between."""
+
+    _process: SignalFlag | None = None  # the process's flag while its handlers are installed
 
     def __init__(self) -> None:
         self.signum = 0
         self.at: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
+
+    @classmethod
+    def for_process(cls, signals: tuple[signal.Signals, ...]) -> SignalFlag:
+        """The process's flag, handling exactly `signals` from now on."""
+        flag = cls._process or cls()
+        for sig in [s for s in flag._previous if s not in signals]:  # the spec wants it fatal
+            previous = flag._previous.pop(sig)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        flag.install(tuple(s for s in signals if s not in flag._previous))
+        cls._process = flag if flag._previous else None
+        return flag
 
     def install(self, signals: tuple[signal.Signals, ...]) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -65,6 +84,8 @@ class SignalFlag:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if SignalFlag._process is self:
+            SignalFlag._process = None
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if not self.signum:
@@ -87,12 +108,16 @@ class Preemption:
     _pending: Any = None  # (tensor, work) of the all-reduce issued at the previous boundary
 
     @classmethod
-    def start(cls, signals_text: str, distributed: bool, timeout_s: float) -> Preemption:
-        """Install the handlers and (distributed: collective) create the group."""
-        flag = SignalFlag()
-        flag.install(parse_signals(signals_text))
+    def start(cls, signals_text: str, distributed: bool, timeout_s: float,
+              flag: SignalFlag | None = None) -> Preemption:
+        """Install the handlers (unless `flag`, installed when the worker started, already holds
+        them and what they caught) and (distributed: collective) create the group."""
+        if flag is None:
+            flag = SignalFlag.for_process(parse_signals(signals_text))
         group = None
         if distributed and signals_text.strip():
+            from shardwise.compat import side_group  # (torch: not at module level, see above)
+
             group = side_group("preemption", timeout_s)
         return cls(flag, group)
 
@@ -130,12 +155,25 @@ class Preemption:
         if self._pending is not None and wait:
             self._pending[1].wait()
         self._pending = None
-        if not self.agreed:  # a preempted worker keeps ignoring the signal's repeats until exit
+        if not self.agreed:
             self.flag.uninstall()
+        elif SignalFlag._process is self.flag:
+            # a preempted worker keeps ignoring the signal's repeats until it exits, but the next
+            # run in this process (verify's runs in turn) starts with a flag of its own
+            SignalFlag._process = None
 
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.agreed).name if self.agreed else ""
+
+
+def catch_early() -> SignalFlag:
+    """A worker process's first act, before it imports torch (seconds): handle the default
+    preemption signals, so one that arrives meanwhile is a preemption, not a kill. The spec's own
+    set replaces them once it is read (`run.startup.install_flag`)."""
+    from shardwise.spec.runspec import FailureSection
+
+    return SignalFlag.for_process(parse_signals(FailureSection().preempt_signals))
 
 
 def write_marker(run_dir: Path, fields: dict[str, Any]) -> None:
@@ -157,7 +195,19 @@ def clear_marker(run_dir: Path) -> None:
 
 def marker_message(run_dir: Path, marker: dict[str, Any]) -> str:
     """The one line a launcher prints for a preempted run."""
+    again = f"continue with `shardwise train --resume {run_dir}` (exit code {PREEMPTED_EXIT})"
+    if marker.get("step") is None and marker.get("phase") == LAUNCHER_PHASE:
+        return (f"stopped by {marker['signal']}, which reached the launcher before the workers "
+                "committed a checkpoint for it: the run continues from its newest checkpoint, "
+                f"or from step 0 if it has none: {again}.")
+    if marker.get("step") is None:  # before the first step: nothing could be saved
+        return (f"preempted by {marker['signal']} during start-up ({marker.get('phase', '')}), "
+                "before the first step: nothing was lost or saved; the run continues from its "
+                f"newest checkpoint, or from step 0 if it has none: {again}.")
+    if not marker.get("checkpoint"):
+        return (f"preempted by {marker['signal']} after step {marker['step']}, with no checkpoint "
+                "(checkpoint.enabled = false): the run starts again from its newest checkpoint, "
+                f"or step 0: {again}.")
     return (f"preempted by {marker['signal']} after step {marker['step']}: checkpoint "
             f"{Path(marker['checkpoint']).name} committed {marker['seconds_to_commit']:.1f} s "
-            f"after the stop was agreed; continue with `shardwise train --resume {run_dir}` "
-            f"(exit code {PREEMPTED_EXIT}).")
+            f"after the stop was agreed; {again}.")

@@ -23,10 +23,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.resilience.preempt import (
+    LAUNCHER_PHASE,
     PREEMPTED_EXIT,
     agent_signals,
     marker_message,
     read_marker,
+    write_marker,
 )
 from shardwise.run.rundir import ERRORS_DIR
 
@@ -76,11 +78,14 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         elastic_launch(config, sys.executable)(*args)
     except SignalException as err:  # the agent forwarded it and waited for the workers
         check_preempted(run_dir)
-        raise WorkersFailed(
-            f"stopped by {signal.Signals(err.sigval).name} before the workers committed a "
-            f"preemption checkpoint (failure.preempt_signals does not list it, or the save took "
-            f"longer than failure.preempt_grace_s = {grace_s:g}). Continue from the last "
-            f"checkpoint with `shardwise train --resume {run_dir}`.", 1) from None
+        name = signal.Signals(err.sigval).name
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        # the workers committed nothing for it (it came before they could, or the save took
+        # longer than failure.preempt_grace_s): still a preemption, resumable from what exists
+        write_marker(run_dir, {"signal": name, "step": None, "checkpoint": None,
+                               "phase": LAUNCHER_PHASE, "grace_s": grace_s})
+        check_preempted(run_dir)
     except ChildFailedError as err:
         codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
         messages = sorted({p.read_text() for p in errors.glob("rank-*.txt")})

@@ -22,8 +22,18 @@ def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
 
     if resume:
         run_dir = rundir.existing_run_dir(resume)
-        rundir.resume_checkpoint(run_dir, spec)  # fail here, before starting any worker
+        point = rundir.resume_point(run_dir, spec)  # refuse here, before starting any worker
+        for note in point.notes:
+            print(note, file=sys.stderr)
+        if point.complete:
+            print(f"{run_dir} is complete: its checkpoint {point.checkpoint.name} is at step "
+                  f"{point.step}, the last (run.steps = {spec.run.steps}); nothing to train. To "
+                  f"train further, resume with --set run.steps=N for some N > {point.step}.",
+                  file=sys.stderr)
+            return run_dir
     else:
+        if spec.checkpoint.enabled:
+            rundir.check_fresh_location(spec)  # before the run directory exists
         run_dir = rundir.new_run_dir(spec)
     rundir.write_spec(run_dir, spec)
     nproc = spec.parallel.nproc

@@ -70,6 +70,9 @@ class RunRecord:
     num_params: int
     baseline: str
     started_at: float = 0.0  # wall time of this launch's run_start
+    # what pins the model's code (`models.registry.model_source`), computed at start-up, where
+    # hashing a large model directory races no collective (None: computed here)
+    source: dict[str, Any] | None = None
 
     def write_manifest(self, lineage: list[dict[str, Any]]) -> None:
         """Collective: gathers every rank's host and device (and agrees on the peak FLOP/s), then
@@ -99,7 +102,7 @@ class RunRecord:
                                           hooks_code=[file_sha256(h, "run.hooks", h)
                                                       for h in self.spec.run.hooks],
                                           telemetry=perf.manifest_fields(),
-                                          model={"source": model_source(
+                                          model={"source": self.source or model_source(
                                                      self.spec.model.family, self.spec.model),
                                                  "plan": described(self.model.plan)})
         atomic_write_text(self.run_dir / manifest.MANIFEST, json.dumps(content, indent=2))

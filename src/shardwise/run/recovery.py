@@ -9,6 +9,8 @@ that diverged, so they are never trained on.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -19,17 +21,17 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.checkpoint import Checkpointer
-from shardwise.checkpoint.discovery import uncommitted
 from shardwise.checkpoint.location import Location
 from shardwise.data import BatchLayout, TrainBatches
 from shardwise.data.ledger import LedgerWriter
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext
 from shardwise.run import manifest, rundir
-from shardwise.run.resume import ResumeMode
+from shardwise.run.resume import ResumeMode, check_compatible, complete
 from shardwise.run.step import StepResult
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog
+from shardwise.utils.files import atomic_write_text
 
 
 @dataclass
@@ -42,43 +44,52 @@ class Recovery:
     events: EventLog
     is_main: bool
     lineage: list[dict[str, Any]] = field(default_factory=list)  # checkpoints this run continues
+    run_dir: Path | None = None  # where rollbacks record their skipped ranges (SKIPS)
 
-    def start(self, mode: ResumeMode, run_dir: Path, spec: RunSpec) -> None:
-        """Act on the resume rule: load the newest checkpoint whose files all verify, naming
-        every newer one that did not and why, or start from step 0."""
+    def start(self, mode: ResumeMode, run_dir: Path, spec: RunSpec) -> bool:
+        """Act on the resume rule (`run.resume`): load the newest checkpoint whose files all
+        verify, naming every newer one that did not and why; or start from step 0 (fresh, or a
+        run that never committed one). True when the loaded checkpoint ends the run (a restart or
+        requeue after its last step): nothing is left to train."""
         if mode is ResumeMode.FRESH:
-            return
+            return False
         checkpoint, rejected = self.checkpointer.find_valid()
-        if self.is_main:
-            for stale in uncommitted(self.checkpointer.storage):
-                print(f"warning: ignoring {stale}: an interrupted save that was never committed "
-                      "(it is left in place; the next save of that step replaces it)",
-                      file=sys.stderr)
         for verdict in rejected:
             self.events.emit("checkpoint_rejected", self.step(), path=str(verdict.path),
                              problems=list(verdict.problems))
-        if checkpoint is None and mode is ResumeMode.IF_ANY:
+        if checkpoint is None and not rejected:
             if self.is_main:
-                print("warning: restarted before any valid checkpoint was written: training "
-                      "again from step 0 in the same run directory", file=sys.stderr)
-            return
+                print(f"note: no checkpoint in {self.checkpointer.root} yet: training from step 0 "
+                      "in the same run directory", file=sys.stderr)
+            return False
         if checkpoint is None:
             details = "; ".join(f"{v.path.name}: {', '.join(v.problems)}" for v in rejected)
             raise UserError(f"no valid checkpoint to resume in {self.checkpointer.root}"
-                            f"{': ' + details if details else ''}. Start a fresh run, or restore "
-                            "the damaged files from a copy.")
+                            f"{': ' + details if details else ''}. Restore the damaged files "
+                            "from a copy, or start a fresh run (a new run directory).")
         if rejected and self.is_main:
             for verdict in rejected:
                 print(f"warning: skipping checkpoint {verdict.path.name}: "
                       f"{'; '.join(verdict.problems)}", file=sys.stderr)
             print(f"warning: resuming from {checkpoint.name}, the newest checkpoint that "
                   "verifies", file=sys.stderr)
+        saved = rundir.checkpoint_spec(checkpoint)
+        if saved is not None:
+            check_compatible(saved, spec, str(checkpoint))
         self.load(checkpoint)
-        rundir.check_steps_left(run_dir, self.step(), spec)
+        return complete(self.step(), spec, saved or {}, str(run_dir))
 
     def load(self, checkpoint: Location) -> None:
+        """Restore every component from `checkpoint`, then the skips recorded since (a rollback
+        persists its skipped range at once, so a crash before the next save does not train the
+        batches that diverged again)."""
         t0 = time.perf_counter()
-        meta = self.checkpointer.load(checkpoint, self.components())
+        components = self.components()
+        meta = self.checkpointer.load(checkpoint, components)
+        data = components.get("data")
+        if data is not None and self.run_dir is not None:
+            for start, end in read_skips(self.run_dir):
+                data.skip(start, end)
         seconds = time.perf_counter() - t0
         size = sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())
         self.lineage = manifest.lineage_after_resume(checkpoint)
@@ -101,8 +112,11 @@ class NumericsGuard:
     layout: BatchLayout
     events: EventLog
     scaled: bool  # fp16 with a loss scaler
+    max_rollbacks: int = 3
+    pause: Callable[[], Any] = contextlib.nullcontext  # steps the hang watchdog aside
     _bad_steps: int = 0
     _bad_from: int = 0
+    _rollbacks: int = 0
 
     def check(self, result: StepResult) -> bool:
         """Count the step; True if it triggered a rollback (the loop goes on from the
@@ -118,12 +132,28 @@ class NumericsGuard:
         if not self.patience or self._bad_steps < self.patience:
             return False
         bad_to = self.train_data.consumed_samples
+        if self._rollbacks >= self.max_rollbacks:
+            raise UserError(
+                f"training diverged again: {self._bad_steps} consecutive non-finite steps up to "
+                f"step {result.step}, after {self._rollbacks} rollbacks in this launch (samples "
+                f"{', '.join(f'[{a}, {b})' for a, b in self.train_data.skips)} skipped). The "
+                "state diverges whatever the batch: lower optimizer.lr, raise "
+                "optimizer.warmup_steps or grad_clip, or resume from an earlier checkpoint. "
+                "failure.max_rollbacks sets how many rollbacks a launch may make.")
+        with self.pause():  # hashing a large checkpoint is no hang
+            self._roll_back(result, bad_to)
+        return True
+
+    def _roll_back(self, result: StepResult, bad_to: int) -> None:
         checkpoint, _ = self.recovery.checkpointer.find_valid()
         if checkpoint is None:
             raise UserError(
                 f"training diverged: {self._bad_steps} consecutive steps with non-finite "
                 f"gradients (up to step {result.step}) and no checkpoint to roll back to. Lower "
                 "optimizer.lr, set checkpoint.every so there is one, or inspect the data.")
+        if self.ctx.is_main and self.recovery.run_dir is not None:  # before anything else
+            record_skip(self.recovery.run_dir, self._bad_from, bad_to)
+        self._rollbacks += 1
         self.recovery.load(checkpoint)
         self.train_data.skip(self._bad_from, bad_to)
         step = self.recovery.step()
@@ -133,6 +163,23 @@ class NumericsGuard:
         self.ledger.start_launch(step, self.ctx.world_size, self.ctx.dims.dp,
                                  self.layout.global_batch, skipped=(self._bad_from, bad_to))
         self.events.emit("rollback", step, path=str(checkpoint),
-                         skipped_samples=[self._bad_from, bad_to], bad_steps=self._bad_steps)
+                         skipped_samples=[self._bad_from, bad_to], bad_steps=self._bad_steps,
+                         rollback=self._rollbacks)
         self._bad_steps = 0
-        return True
+
+
+#: RUN_DIR/skipped.json: every sample range a rollback skipped, written when it skips
+SKIPS = "skipped.json"
+
+
+def record_skip(run_dir: Path, start: int, end: int) -> None:
+    ranges = read_skips(run_dir)
+    if [start, end] not in ranges:
+        atomic_write_text(run_dir / SKIPS, json.dumps([*ranges, [start, end]]))
+
+
+def read_skips(run_dir: Path) -> list[list[int]]:
+    try:
+        return [[int(a), int(b)] for a, b in json.loads((run_dir / SKIPS).read_text())]
+    except (FileNotFoundError, ValueError, TypeError):
+        return []

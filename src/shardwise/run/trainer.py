@@ -35,14 +35,16 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import configure_kernels
 from shardwise.parallel.support import check_torch_supports
 from shardwise.resilience.faults import FaultInjector
-from shardwise.resilience.preempt import Preemption, clear_marker
+from shardwise.resilience.preempt import Preemption, SignalFlag, clear_marker
 from shardwise.run.hooks import CheckpointHook, EvalHook, Hook, Hooks, LogHook, StepTimes
 from shardwise.run.loss_scale import LossScaler
 from shardwise.run.monitors import Monitors, gather_rows
-from shardwise.run.optim import Optimizers, lr_at
+from shardwise.run.optim import Optimizers
 from shardwise.run.record import RunRecord, TrainSummary
 from shardwise.run.recovery import NumericsGuard, Recovery
 from shardwise.run.resume import ResumeMode
+from shardwise.run.rundir import run_id
+from shardwise.run.schedule import lr_at
 from shardwise.run.step import StepLog, StepResult, train_step
 from shardwise.spec.runspec import RunSpec
 from shardwise.telemetry import EventLog, syncs
@@ -71,9 +73,13 @@ class TrainState:
 
 class Trainer:
     def __init__(self, spec: RunSpec, ctx: DistContext, run_dir: Path, data: PreparedData,
-                 events: EventLog, patches: TorchPatches | None = None) -> None:
+                 events: EventLog, patches: TorchPatches | None = None,
+                 flag: SignalFlag | None = None,
+                 model_source: dict[str, Any] | None = None) -> None:
         """`patches`: the worker's runtime (`shardwise.run.worker`), through which the meta build
-        and the comm tap change torch; without one each keeps a scope of its own."""
+        and the comm tap change torch; without one each keeps a scope of its own. `flag`: the
+        preemption handlers the worker installed first thing (and what they caught);
+        `model_source`: what pins the model's code, computed at start-up (`run.worker`)."""
         self.spec, self.ctx, self.run_dir, self.data, self.events = spec, ctx, run_dir, data, events
         check_torch_supports(spec.parallel, resolve_backend(spec.parallel, ctx.device.type))
         torch.manual_seed(spec.run.seed)
@@ -108,7 +114,7 @@ class Trainer:
                                                  device=ctx.device)
         # collective (a gloo group of its own), after the checkpointer's, on every rank alike
         self.preemption = Preemption.start(spec.failure.preempt_signals, ctx.distributed,
-                                           spec.parallel.timeout_s)
+                                           spec.parallel.timeout_s, flag)
         self.summary = TrainSummary(unigram_loss=data.unigram_val_loss,
                                     model_params=self.num_params)
         self.times = StepTimes()
@@ -119,11 +125,13 @@ class Trainer:
         self._state_logged = False
         self.ledger = LedgerWriter(run_dir, ctx.rank, ctx.dp_rank, writes=ctx.leads_replica)
         self.recovery = Recovery(self.checkpointer, self.components, lambda: self.state.step,
-                                 events, ctx.is_main)
+                                 events, ctx.is_main, run_dir=run_dir)
         self.guard = NumericsGuard(spec.failure.nan_patience, self.recovery, self.train_data,
-                                   self.ledger, ctx, self.layout, events, self.scaler is not None)
+                                   self.ledger, ctx, self.layout, events, self.scaler is not None,
+                                   spec.failure.max_rollbacks, self.monitors.paused)
         self.record = RunRecord(spec, ctx, run_dir, data, events, self.model, lambda: self.perf,
-                                self.layout, self.train_data, self.num_params, self.baseline)
+                                self.layout, self.train_data, self.num_params, self.baseline,
+                                source=model_source)
         self.hooks = Hooks()
         self._add_builtin_hooks()
 
@@ -156,12 +164,12 @@ class Trainer:
         self.hooks.add(EvalHook(self.model, self.eval_data, self.summary, self.events,
                                 self.data.unigram_val_loss, self.baseline),
                        spec.eval.every, name="eval")
-        # a preemption saves even where checkpoint.enabled = false: the run is to resume
-        self.hooks.add(CheckpointHook(self.checkpointer, self.components, self.train_data,
-                                      self.ctx, spec.digest(), self.run_dir, self.faults,
-                                      self.events, self.summary),
-                       spec.checkpoint.every, name="checkpoint", at_end=spec.checkpoint.enabled,
-                       on_stop=True, phase="checkpoint", pauses_watchdog=True)
+        if spec.checkpoint.enabled:  # false: never saves, not even at a preemption
+            self.hooks.add(CheckpointHook(self.checkpointer, self.components, self.train_data,
+                                          self.ctx, spec.digest(), self.run_dir, self.faults,
+                                          self.events, self.summary),
+                           spec.checkpoint.every, name="checkpoint", at_end=True, on_stop=True,
+                           phase="checkpoint", pauses_watchdog=True)
 
     def add_hook(self, fn: Callable[[StepResult], None], every: int, **when: Any) -> Hook:
         """Run `fn(result)` after every `every`-th step, after the built-in hooks (log, eval,
@@ -178,8 +186,14 @@ class Trainer:
         return components
 
     def start(self, mode: ResumeMode) -> None:
-        """Act on the resume rule (`run.resume`), see `Recovery.start`."""
-        self.recovery.start(mode, self.run_dir, self.spec)
+        """Make the checkpoint location this run's for this launch (`Checkpointer.claim`), then
+        act on the resume rule (`run.resume`, see `Recovery.start`)."""
+        if self.spec.checkpoint.enabled:
+            self.checkpointer.claim(run_id(self.run_dir), self.run_dir, mode is ResumeMode.FRESH,
+                                    wait_s=self.spec.parallel.timeout_s / 2)
+        if self.recovery.start(mode, self.run_dir, self.spec) and self.ctx.is_main:
+            print(f"note: {self.run_dir} is already at step {self.state.step}, its last: "
+                  "nothing left to train", file=sys.stderr)
 
     def resume(self, checkpoint: Location) -> None:
         self.recovery.load(checkpoint)
@@ -254,16 +268,19 @@ class Trainer:
         self.monitors.start()
         if self.ctx.is_main:
             clear_marker(self.run_dir)  # the marker a launcher reads is this launch's
+        # The preemption handlers stay installed until the last save has committed: a signal
+        # while it is written (Slurm's --signal=USR1@grace, as a job sized to its time limit
+        # ends) is recorded, not fatal, and the save completes.
+        failed = True
         try:
             self._loop()
-        except BaseException:
-            self.preemption.close(wait=False)  # a peer may be gone: wait for nothing
-            raise
-        else:
-            self.preemption.close(wait=True)
+            failed = False
         finally:
-            self.checkpointer.close(self.monitors.paused)  # an async save in flight commits first
-            self.monitors.close()
+            try:
+                self.checkpointer.close(self.monitors.paused)  # a save in flight commits first
+            finally:
+                self.preemption.close(wait=not failed)  # after a failure a peer may be gone
+                self.monitors.close()
         self.summary.final_step = self.state.step
         self.ledger.close()
         if self.summary.preempted is not None:

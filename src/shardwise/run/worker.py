@@ -9,6 +9,11 @@ Started three ways, all ending in `run_worker`:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a launched worker: preemption handled before torch is imported
+    from shardwise.resilience.preempt import catch_early
+
+    catch_early()
+
 import argparse
 import os
 import sys
@@ -22,12 +27,16 @@ import torch.distributed as dist
 from shardwise.compat import TorchPatches
 from shardwise.data import PreparedData, prepare_data
 from shardwise.errors import UserError
+from shardwise.models.registry import model_source
 from shardwise.parallel.distributed import DistContext, init_distributed, launcher_store, shutdown
+from shardwise.resilience.faults import FaultInjector
+from shardwise.resilience.preempt import SignalFlag, write_marker
 from shardwise.run import rundir
 from shardwise.run.hooks import user_hook_setups
 from shardwise.run.preflight import with_data_hashes
 from shardwise.run.resume import ResumeMode, restart_attempt, resume_mode
 from shardwise.run.rundir import ERRORS_DIR
+from shardwise.run.startup import Startup, StoppedAtStartup, install_flag
 from shardwise.run.trainer import Trainer, TrainSummary
 from shardwise.spec import RunSpec
 from shardwise.telemetry import EventLog, JsonlSink, TensorBoardSink
@@ -44,10 +53,11 @@ def run_worker(spec: RunSpec, run_dir: Path, resume: bool = False,
     `after_fit(trainer)` runs on every rank after training (it may use collectives); its result
     is returned as `summary.extra` — tests use it to gather the final parameters.
     """
+    flag = install_flag(spec.failure.preempt_signals)  # first: from here a signal is a preemption
     ctx = _init(spec, store)
     clean = False
     try:
-        summary = _train(spec, ctx, run_dir, resume_mode(resume), ui, after_fit=after_fit)
+        summary = _train(spec, ctx, run_dir, resume_mode(resume), ui, flag, after_fit)
         clean = True
         return summary
     finally:
@@ -59,45 +69,82 @@ def _init(spec: RunSpec, store: dist.Store | None = None) -> DistContext:
 
 
 def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, mode: ResumeMode, ui: bool,
-           data: PreparedData | None = None,
-           after_fit: Callable[[Trainer], Any] | None = None) -> TrainSummary:
-    data = data or _prepare_everywhere(spec, ctx)
-    events = _event_log(spec, ctx, run_dir, ui)
+           flag: SignalFlag, after_fit: Callable[[Trainer], Any] | None = None,
+           prepared: tuple[Startup, PreparedData, dict[str, Any] | None] | None = None
+           ) -> TrainSummary:
+    """`prepared`: the start-up so far and what its data phase made (torchrun's entry prepares
+    before it agrees on the run directory)."""
+    try:
+        if prepared is None:
+            startup = _startup(spec, ctx, flag)
+            startup.arrive("join")
+            data, source = _prepare_everywhere(spec, startup)
+        else:
+            startup, data, source = prepared
+        events = _event_log(spec, ctx, run_dir, ui)
+    except StoppedAtStartup as stop:
+        return _stopped(run_dir, ctx, stop)
     # the runtime: every change shardwise makes to torch (the meta build's, the comm tap's) is
     # made through `patches` and undone when the run ends, however it ends
     with TorchPatches() as patches:
         try:
-            trainer = Trainer(spec, ctx, run_dir, data, events, patches)
+            trainer = Trainer(spec, ctx, run_dir, data, events, patches, flag, source)
             for setup in user_hook_setups(spec.run.hooks):
                 setup(trainer)
+            startup.arrive("model")
             trainer.start(mode)
+            startup.arrive("resume")
             summary = trainer.fit()
             if after_fit is not None:
                 summary.extra = after_fit(trainer)
             return summary
+        except StoppedAtStartup as stop:
+            events.emit("preempted", 0, signal=stop.signal_name, phase=stop.phase,
+                        checkpoint=None)
+            return _stopped(run_dir, ctx, stop)
         finally:
             events.close()
 
 
-def _prepare_everywhere(spec: RunSpec, ctx: DistContext) -> PreparedData:
-    """Local rank 0 prepares (trains the tokenizer, tokenizes) first; the others then hit the
-    cache. A user error on one rank is raised on all, so none waits for a barrier forever."""
+def _startup(spec: RunSpec, ctx: DistContext, flag: SignalFlag) -> Startup:
+    return Startup(flag, ctx.rank, ctx.world_size, ctx.store if ctx.distributed else None,
+                   FaultInjector.from_spec(spec.failure.faults, ctx.rank))
+
+
+def _stopped(run_dir: Path | None, ctx: DistContext, stop: StoppedAtStartup) -> TrainSummary:
+    """A preemption before the first step: nothing to save, nothing lost. The marker makes the
+    launcher exit 75; the next launch continues from the newest checkpoint, or step 0. (Under
+    torchrun with neither --resume nor run.dir there is no run directory yet to mark.)"""
+    if ctx.is_main:
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_marker(run_dir, {"signal": stop.signal_name, "step": None,
+                                   "checkpoint": None, "phase": stop.phase})
+        print(f"{stop}: stopped before the first step; nothing was lost", file=sys.stderr)
+    summary = TrainSummary()
+    summary.preempted = {"step": None, "signal": stop.signal_name, "checkpoint": None}
+    return summary
+
+
+def _prepare_everywhere(spec: RunSpec, startup: Startup
+                        ) -> tuple[PreparedData, dict[str, Any] | None]:
+    """Every rank prepares the data; `prepare_data` serialises the ranks of a
+    node on the cache's lock, so the first builds the caches and the others read them. Rank 0
+    also hashes what pins the model's code (every file of `model.hf_path`: minutes for a large
+    model, the first time). The ranks then meet in the store, not in a collective, so none of
+    this races `parallel.timeout_s`; a user error on any rank is raised on all."""
     error: UserError | None = None
-    if ctx.local_rank == 0 or not ctx.distributed:
-        try:
-            data = prepare_data(spec.data)
-        except UserError as err:
-            error = err
-    if ctx.distributed:
-        failed = torch.tensor([1 if error else 0], device=ctx.device)
-        dist.all_reduce(failed)
-        if failed.item() and error is None:
-            raise UserError("data preparation failed on another rank; its message names the cause.")
-    if error is not None:
-        raise error
-    if ctx.local_rank != 0 and ctx.distributed:
+    source: dict[str, Any] | None = None
+    data: PreparedData | None = None
+    try:
         data = prepare_data(spec.data)
-    return data
+        if startup.rank == 0:
+            source = model_source(spec.model.family, spec.model)
+    except UserError as err:
+        error = err
+    startup.arrive("data", error)
+    assert data is not None  # arrive raised otherwise
+    return data, source
 
 
 def _event_log(spec: RunSpec, ctx: DistContext, run_dir: Path, ui: bool) -> EventLog:
@@ -118,13 +165,23 @@ def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
     attempt chooses the directory and records it in the launcher's store, which outlives the
     workers, so that an attempt after a restart (--max-restarts) finds the same run with or
     without run.dir; whether it resumes is `run.resume`'s rule, as for every launcher."""
+    flag = install_flag(spec.failure.preempt_signals)
     ctx = _init(spec)
     clean = False
     try:
-        data = _prepare_everywhere(spec, ctx)
+        startup = _startup(spec, ctx, flag)
+        try:
+            startup.arrive("join")
+            data, source = _prepare_everywhere(spec, startup)
+        except StoppedAtStartup as stop:  # before the run directory is agreed: the one named
+            named = resume_dir or spec.run.dir
+            summary = _stopped(Path(named).expanduser() if named else None, ctx, stop)
+            clean = True
+            return summary
         spec = with_data_hashes(spec, data)
         path = _agree_run_dir(spec, ctx, resume_dir)
-        summary = _train(spec, ctx, path, resume_mode(resume_dir is not None), ui=True, data=data)
+        summary = _train(spec, ctx, path, resume_mode(resume_dir is not None), ui=True,
+                         flag=flag, prepared=(startup, data, source))
         clean = True
         return summary
     finally:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from shardwise.errors import SpecError, show
 
 KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch", "signal")
-PHASES = ("data", "forward", "backward", "optimizer", "checkpoint-write")
+PHASES = ("startup", "data", "forward", "backward", "optimizer", "checkpoint-write")
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:

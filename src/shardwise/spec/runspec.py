@@ -311,6 +311,9 @@ class FailureSection:
     # Non-finite gradients skip the step; this many in a row roll back to the last checkpoint
     # and skip the offending batches (0: only skip). fp16 runs back off the loss scale instead.
     nan_patience: int = 3
+    # At most this many rollbacks in one launch: a state that diverges on every batch ends the
+    # run with a message instead of skipping data forever.
+    max_rollbacks: int = 3
     # A step or collective that makes no progress for this long is a hang: every rank's last
     # collectives are written down, a report names the ranks that diverged, the job exits.
     # 0 disables the watchdog (the backend's parallel.timeout_s still applies).
@@ -332,6 +335,7 @@ class FailureSection:
         parse_signals(self.preempt_signals)
         at_least("failure.max_restarts", self.max_restarts, 0)
         at_least("failure.nan_patience", self.nan_patience, 0)
+        positive("failure.max_rollbacks", self.max_rollbacks)
         at_least("failure.hang_timeout_s", self.hang_timeout_s, 0)
         if not self.straggler_factor > 1.0:
             raise SpecError(f"failure.straggler_factor is {self.straggler_factor}; it must be "

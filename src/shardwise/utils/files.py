@@ -3,12 +3,14 @@ file hashes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -58,3 +60,45 @@ def cache_root(cache_dir: str = "") -> Path:
     probe): `cache_dir` (a run's `data.cache_dir`), else $SHARDWISE_CACHE, else
     ~/.cache/shardwise. One rule, so the planner finds the probe a run cached."""
     return Path(cache_dir or os.environ.get("SHARDWISE_CACHE") or "~/.cache/shardwise").expanduser()
+
+
+def cached_sha256(path: Path, cache: Path | None,
+                  opener: Callable[[Path], IO[bytes]] = lambda p: p.open("rb")) -> str:
+    """SHA-256 of what `opener` reads from `path` (the file's bytes by default), streamed, and
+    remembered in `cache` (a JSON file) by (path, size, mtime), so a large unchanged file is read
+    once however many ranks, restarts and runs ask. The content alone decides the value."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    known: dict[str, str] = {}
+    if cache is not None and cache.exists():
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}  # a damaged cache only costs a recomputation
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with opener(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    known[key] = h.hexdigest()
+    if cache is not None:
+        with contextlib.suppress(OSError):  # the hash cache is an optimisation only
+            atomic_write_text(cache, json.dumps(known))
+    return known[key]
+
+
+@contextlib.contextmanager
+def node_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` among the processes of this machine (and of every machine
+    sharing the filesystem, where it honours flock): the first to hold it builds what the others
+    then read, with no collective and no timeout involved."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.spec.model import HfFields
-from shardwise.utils.files import sha256_file
+from shardwise.utils.files import cache_root, cached_sha256, sha256_file
 
 
 def hf_source(model: HfFields) -> dict[str, Any]:
@@ -19,7 +19,10 @@ def hf_source(model: HfFields) -> dict[str, Any]:
     if model.hf_path:
         root = Path(model.hf_path).expanduser()
         out["hf_path"] = str(root.resolve())
-        out["files"] = {f.name: sha256_file(f) for f in sorted(root.iterdir()) if f.is_file()}
+        # remembered by size and time: a 140 GB model directory is read once, not per launch
+        cache = cache_root() / "model-hashes.json"
+        out["files"] = {f.name: cached_sha256(f, cache) for f in sorted(root.iterdir())
+                        if f.is_file()}
         out["source_dtype"] = source_dtype(root)
     elif isinstance(model.hf_config, dict):
         text = json.dumps(model.hf_config, sort_keys=True)
