@@ -68,7 +68,7 @@ def _measure(args: argparse.Namespace, cp: int, rank: int, group: Any) -> dict[s
     context = None
     extra: dict[str, torch.Tensor] = {}
     if cp > 1:
-        context = apply_context_parallel(model, plan, group, rank, cp, args.comm)
+        context = apply_context_parallel([model], plan, group, rank, cp, args.comm)
         tokens, targets, extra = context.shard(tokens, targets)
 
     def step() -> int:

@@ -78,7 +78,7 @@ from shardwise.data import BatchLayout, PackedSequences, PreparedData, TrainBatc
 from shardwise.models import build_model
 from shardwise.models.plan import unique_params
 from shardwise.parallel.distributed import init_distributed
-from shardwise.run.optim import lr_at
+from shardwise.run.schedule import lr_at
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec
 from shardwise.telemetry import EventLog

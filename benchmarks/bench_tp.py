@@ -85,7 +85,7 @@ from torch.distributed.tensor.parallel import (
 from shardwise.data import BatchLayout, PreparedData, prepare_data
 from shardwise.models import build_model
 from shardwise.parallel.distributed import init_distributed
-from shardwise.run.optim import lr_at
+from shardwise.run.schedule import lr_at
 from shardwise.run.step import StepLog
 from shardwise.run.trainer import Trainer
 from shardwise.spec import RunSpec, load_spec

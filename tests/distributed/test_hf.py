@@ -286,7 +286,7 @@ REFUSALS = {
     "gpt2 has no tp plan": (['model.hf_config={model_type = "gpt2", n_embd = 64, n_layer = 2, '
                              'n_head = 4}', "parallel.tp=2", "parallel.dp_shard=1",
                              "parallel.nproc=2"], "hf_tp_plan"),
-    "hf field on gpt": (['model.family="gpt"'], "model.hf_config is for Hugging Face"),
+    "hf field on gpt": (['model.family="gpt"'], "belongs to model.family = 'hf'"),
     "cp with attention dropout": (['model.hf_config={model_type = "gpt2", n_embd = 64, '
                                    'n_layer = 2, n_head = 4, attn_pdrop = 0.1}', "parallel.cp=2",
                                    "parallel.dp_shard=1", "parallel.nproc=2"],

@@ -154,7 +154,7 @@ def test_plan_declares_experts_and_active_flops():
     ({"moe_top_k": 5}, "moe_top_k = 5"),
     ({"moe_routing": "capacity", "moe_capacity_factor": 0.0}, "moe_capacity_factor = 0.0"),
     ({"moe_balance": "switch"}, "moe_balance"),
-    ({"family": "gpt", "moe_experts": 4}, "model.family = \"moe-gpt\""),
+    ({"family": "gpt", "moe_experts": 4}, "belongs to model.family = 'moe-gpt'"),
 ])
 def test_bad_moe_specs_are_refused(small_corpus, tmp_path, model, match):
     from tests.support.specs import tiny_spec_dict

@@ -16,7 +16,7 @@ import pytest
 
 from shardwise.parallel.accounting import zero_formula_bytes
 from shardwise.parallel.support import torch_version
-from tests.support.compare import assert_ranks_match_reference
+from tests.support.compare import assert_params_close, assert_ranks_match_reference
 from tests.support.ranks import run_ranks
 from tests.support.specs import grid, tiny_spec
 from tests.support.workers import train, train_single
@@ -52,13 +52,27 @@ GRID = {
                                     "pp_virtual_stages": 2}),
     "tp2xpp2": (4, {"tp": 2, "pp": 2, "dp_shard": 1}),
     "tp2xpp2+sp": (4, {"tp": 2, "pp": 2, "dp_shard": 1, "sequence_parallel": True}),
+    # DDP and ZeRO-1 where DDP cannot wrap the model: the optimizers reduce (parallel/flat_dp)
+    "ddp2xtp2": (4, {"dp_replicate": 2, "dp_shard": 1, "zero": 0, "tp": 2}),
+    "zero1-2xtp2": (4, {"dp_shard": 2, "zero": 1, "tp": 2}),
+    "zero1-2xtp2+sp": (4, {"dp_shard": 2, "zero": 1, "tp": 2, "sequence_parallel": True}),
+    "ddp2xpp2": (4, {"dp_replicate": 2, "dp_shard": 1, "zero": 0, "pp": 2}),
+    "zero1-2xpp2": (4, {"dp_shard": 2, "zero": 1, "pp": 2}),
+    "zero1-2xpp2-zero-bubble": (4, {"dp_shard": 2, "zero": 1, "pp": 2,
+                                    "pp_schedule": "zero-bubble", "pp_virtual_stages": 2}),
+    "hsdp-zero1-2x2xtp2": (8, {"dp_replicate": 2, "dp_shard": 2, "zero": 1, "tp": 2}),
+    # the seed's layout at small scale: TP within a node, PP across, DP with ZeRO-1
+    "zero1-2xtp2xpp2": (8, {"dp_shard": 2, "zero": 1, "tp": 2, "pp": 2}),
 }
+FLAT_DP = {name for name, (_, p) in GRID.items() if p.get("zero", 3) <= 1
+           and (p.get("tp", 1) > 1 or p.get("pp", 1) > 1)}
 
 
 EVAL = {"batches": 1000}  # more than the split holds: all of it, with a short last micro-batch
 # (FSDP x TP, TP x PP and pipeline x FSDP products run by default in test_model_plan.py and
 # through `verify` in test_verify.py; HSDP in test_parity.py)
-DEFAULT_ROWS = ("zero1-2", "zero3-2", "pp2-1f1b")  # tp2+sp: test_model_plan, test_tensor_parallel
+DEFAULT_ROWS = ("zero1-2", "zero3-2", "pp2-1f1b",  # tp2+sp: test_model_plan, test_tensor_parallel
+                "zero1-2xtp2")  # one row of the distributed optimizer (the rest: grid)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +92,11 @@ def test_layout_matches_single_process(layout, reference, small_corpus, tmp_path
     results = run_ranks(train, world, spec, timeout=120)
     assert_ranks_match_reference(results, reference)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05
+    if layout in FLAT_DP:  # the distributed optimizer's own state: AdamW's moments and steps
+        # (rank 0 holds the first pipeline stage's: the stages together hold the reference's)
+        got = {k: v for r in results for k, v in r["optim"].items()}
+        assert got.keys() == reference["optim"].keys()
+        assert_params_close(got, reference["optim"], rtol=1e-4)
     (step, want), = reference["val_losses"].items()
     for r in results:  # the same held-out samples, whatever the layout
         assert r["val_losses"][step] == pytest.approx(want, rel=1e-5), r["val_losses"]

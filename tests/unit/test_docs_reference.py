@@ -117,3 +117,11 @@ def test_the_module_imports_no_torch():
             "sys.exit('torch' in sys.modules)")
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": ""}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
+
+
+def test_the_composition_table_is_the_codes():
+    """docs/layouts.md's table of which layouts compose is what the checks say (#24)."""
+    from shardwise.verify import matrix
+
+    assert not matrix.stale(DOC.parent / "layouts.md"), (
+        "docs/layouts.md's composition table is stale: paste `python -m shardwise.verify.matrix`")

@@ -230,15 +230,17 @@ LLAMA_BATCH = Batch(global_batch=2048, seq_len=8192, precision="bf16")
 
 @pytest.fixture(scope="module")
 def llama_plan():
+    """The search and the CPU seconds it took (this process's: what other processes on a shared
+    machine take does not count against it; `benchmarks/bench_plan.py` times the wall clock)."""
     cluster = resolve_cluster("dgx-h100", nodes=2048)
-    start = time.perf_counter()
+    start = time.process_time()
     result = search(preset("llama3-405b"), cluster, LLAMA_BATCH)
-    return result, time.perf_counter() - start
+    return result, time.process_time() - start
 
 
 def test_llama3_405b_plans_in_seconds_with_the_published_layout_feasible(llama_plan) -> None:
-    result, elapsed = llama_plan
-    assert elapsed < 10.0
+    result, cpu_seconds = llama_plan
+    assert cpu_seconds < 10.0
     published = [p for p in result.feasible
                  if (p.layout.tp, p.layout.cp, p.layout.pp, p.layout.dp) == (8, 1, 16, 128)
                  and p.layout.schedule == "interleaved-1f1b"]
@@ -448,7 +450,7 @@ def test_cli_write_spec_from_a_preset_writes_only_the_planned_sections(tmp_path:
     assert "torchrun --nnodes 4" in text and "the preset llama3-8b" in text
     spec = load_spec(out)
     written = next(row for row in layouts if row["available"])  # runs today
-    assert written["ep"] == 1 and (written["cp"] == 1 or written["pp"] == 1)
+    assert written["ep"] == 1  # (cp with pp runs since #24)
     assert f"# layout {written['name']}:" in text
     assert (spec.parallel.tp, spec.parallel.pp, spec.parallel.dp_shard) == (
         written["tp"], written["pp"], written["dp_shard"])

@@ -109,16 +109,11 @@ def _check_context_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) 
             f"(zigzag load balancing), but data.seq_len = {seq_len} is not a multiple of "
             f"{2 * cp}. Valid lengths near it: {', '.join(map(str, zigzag_seq_lens(seq_len, cp)))}"
             + (f"; or a cp that divides {seq_len // 2}." if seq_len % 2 == 0 else "."))
-    if dims.pp > 1:
-        raise SpecError(
-            f"context parallel (cp = {cp}) with pipeline parallel (pp = {dims.pp}) is not "
-            "supported yet: pipeline stages pass hidden states only, not token positions. Use "
-            "pp = 1 with cp, or cp = 1 with pp.")
 
 
 def _check_experts(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
-    """Expert parallel needs the plan's experts; a model with experts does not take tp yet, nor
-    capacity routing with cp (which tokens an expert drops depends on the whole sequence)."""
+    """Expert parallel needs the plan's experts (and divides them); capacity routing does not
+    take cp (which tokens an expert drops depends on the whole sequence)."""
     ep, experts = dims.ep, plan.shape.experts
     if ep > 1 and not plan.experts:
         raise SpecError(

@@ -40,9 +40,9 @@ import contextlib
 import fnmatch
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -306,6 +306,7 @@ class ContextParallel:
 
     cp: CPGroup
     positions_arg: str
+    hidden_seq_split: int = 1  # tp under sequence parallel: hidden states' share of the sequence
     _active: bool = False
     _positions: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
@@ -322,13 +323,30 @@ class ContextParallel:
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's zigzag chunks of tokens and targets (B, T) and the keyword argument that
         gives the model their true positions (cached per length and device)."""
-        t = inputs.shape[1]
-        key = (t, str(inputs.device))
-        if key not in self._positions:
-            self._positions[key] = zigzag_positions(t, self.cp.size, self.cp.rank, inputs.device)
         return (zigzag_shard(inputs, self.cp.size, self.cp.rank),
                 zigzag_shard(targets, self.cp.size, self.cp.rank),
-                {self.positions_arg: self._positions[key]})
+                {self.positions_arg: self.positions(inputs.shape[1], inputs.device)})
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """The true positions of this rank's zigzag chunks of a sequence of `seq_len`."""
+        key = (seq_len, str(device))
+        if key not in self._positions:
+            self._positions[key] = zigzag_positions(seq_len, self.cp.size, self.cp.rank, device)
+        return self._positions[key]
+
+    def stage_positions(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A forward pre-hook for pipeline stages: under pipeline parallel a stage gets only the
+        previous stage's hidden states, so each stage supplies its tokens' positions itself —
+        a function of the sequence length and this rank's cp coordinate, the same for every
+        micro-batch, so nothing needs to travel with the hidden states."""
+        if self._active and self.positions_arg not in kwargs and args:
+            x = args[0]
+            # token ids (the first stage) hold this rank's whole zigzag share of the sequence;
+            # hidden states between stages may be split over tp too (sequence parallel)
+            local = x.shape[1] * (1 if not x.is_floating_point() else self.hidden_seq_split)
+            kwargs = {**kwargs, self.positions_arg: self.positions(local * self.cp.size, x.device)}
+        return args, kwargs
 
     def wrap(self, original: AttentionFn) -> AttentionFn:
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -344,11 +362,13 @@ def attention_modules(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.M
             if m is not None and plan.attention and fnmatch.fnmatchcase(name, plan.attention)]
 
 
-def apply_context_parallel(model: nn.Module, plan: ModelPlan, group: dist.ProcessGroup | None,
-                           rank: int, size: int, comm: str) -> ContextParallel:
-    """Swap the attention core of every module the plan's `attention` entry matches for ring
+def apply_context_parallel(parts: Sequence[nn.Module], plan: ModelPlan,
+                           group: dist.ProcessGroup | None, rank: int, size: int,
+                           comm: str) -> ContextParallel:
+    """Swap the attention core of every module the plan's `attention` entry matches, in every
+    part (pipeline stages: each also supplies its positions, `stage_positions`), for ring
     attention over the cp group (in place); refuse a model whose attention cannot be swapped."""
-    modules = attention_modules(model, plan)
+    modules = [m for part in parts for m in attention_modules(part, plan)]
     lacking = [name for name, m in modules if not callable(getattr(m, ATTENTION_ATTR, None))]
     if not modules or lacking:
         raise SpecError(
@@ -366,8 +386,11 @@ def apply_context_parallel(model: nn.Module, plan: ModelPlan, group: dist.Proces
         dist.all_reduce(t, group=group)
         return t
 
-    for module in model.modules():
-        hook = getattr(module, SEQUENCE_HOOK, None)
-        if callable(hook):
-            hook(sum_over_sequence)
+    for part in parts:
+        for module in part.modules():
+            hook = getattr(module, SEQUENCE_HOOK, None)
+            if callable(hook):
+                hook(sum_over_sequence)
+        # (a no-op where the caller passes the positions: the model whole, not a stage)
+        part.register_forward_pre_hook(context.stage_positions, with_kwargs=True)
     return context

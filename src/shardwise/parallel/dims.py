@@ -87,18 +87,13 @@ class ParallelDims:
                 "there is nothing to shard across. Set parallel.dp_shard to the number of ranks "
                 "to shard over (e.g. dp_shard = -1 for all data-parallel ranks), or zero = 0."
             )
-        if self.zero in (0, 1) and self.dp > 1 and (self.tp > 1 or self.pp > 1):
+        if self.zero in (0, 1) and self.dp * self.cp > 1 and (self.tp > 1 or self.pp > 1) \
+                and self.ep > 1:
             raise SpecError(
-                f"parallel.zero = {self.zero} (DDP{'+ZeRO-1' if self.zero else ''}) over "
-                f"{self.dp} data-parallel ranks does not compose with tp = {self.tp} / pp = "
-                f"{self.pp}: DDP cannot reduce DTensor or per-stage gradients. Use zero = 2 or 3 "
-                "(FSDP2, or HSDP with dp_replicate > 1), which composes with both."
-            )
-        if self.zero in (0, 1) and self.cp > 1 and self.tp > 1:
-            raise SpecError(
-                f"parallel.zero = {self.zero} (DDP) would reduce gradients over the cp = "
-                f"{self.cp} ranks, but with tp = {self.tp} they are DTensors, which DDP cannot "
-                "reduce. Use zero = 2 or 3 (FSDP2 over dp_shard x cp; dp_shard may be 1).")
+                f"parallel.zero = {self.zero} with ep = {self.ep} under tp = {self.tp} / pp = "
+                f"{self.pp} is not available yet: there the optimizers reduce the gradients "
+                "(parallel/flat_dp.py), and expert weights reduce over their own ranks. Use "
+                "zero = 2 or 3 with expert parallel.")
         if self.ep != 1:
             self._validate_expert()
 
@@ -113,11 +108,7 @@ class ParallelDims:
                 "expert parallel places the experts over the data- and context-parallel ranks. "
                 f"Use ep among {[d for d in range(1, dp + 1) if dp % d == 0]}, or more "
                 "data-parallel ranks.")
-        if self.tp > 1:
-            raise SpecError(
-                f"expert parallel (ep = {ep}) with tp = {self.tp} is not available yet: ep "
-                "composes with DDP, ZeRO-2/3, HSDP, context and pipeline parallel. Set tp = 1 "
-                "with ep > 1, or ep = 1.")
+
 
     @property
     def dp(self) -> int:

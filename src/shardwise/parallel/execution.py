@@ -39,6 +39,9 @@ class ParallelModel:
     loss_parallel: bool = False
     sequence_parallel: bool = False
     invariant: bool = False  # gradients summed in one fixed tree (see parallel/invariant.py)
+    # zero 0/1 under tensor or pipeline parallel: no DDP wrapper; the optimizers reduce the
+    # gradients after the step's last backward (parallel/flat_dp.py)
+    flat_dp: bool = False
     strategy: StepStrategy = field(default_factory=PlainStep)  # chosen once by parallelize
     pipeline: Pipeline | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -134,7 +137,14 @@ class ParallelModel:
             return self.logits(inputs), targets
         local, local_targets, extra = self.local_sequence(inputs, targets)
         with self.autocast(), self.context_active():
-            out = self.parts[0](local, **extra)
+            if self.pipeline is None:
+                out = self.parts[0](local, **extra)
+            else:  # the stages add their positions themselves (ContextParallel.stage_positions)
+                assert self.ctx.mesh is not None
+                out = forward_only(self.parts, self.stage_ids, self.n_stages, self.schedule,
+                                   local, self.ctx.mesh["pp"], self.ctx.device)
+        if out is None:
+            return None, local_targets
         return (out.full_tensor() if isinstance(out, DTensor) else out), local_targets
 
     @property

@@ -58,16 +58,23 @@ HOOK = "shardwise_end_step"
 EP_AXES = ("edp", "ep")  # the expert mesh: ranks holding the same experts x one EP group
 
 
-def build_expert_mesh(ranks: int, ep: int, device_type: str, pp: int = 1) -> DeviceMesh:
+def build_expert_mesh(ranks: int, ep: int, device_type: str, pp: int = 1,
+                      tp: int = 1) -> DeviceMesh:
     """The (ranks/ep, ep) grid of the data- and context-parallel ranks of this rank's pipeline
-    stage (collective: every rank builds it). With tp = 1 (ep with tp is refused by
-    ParallelDims) a stage's ranks are `ranks` consecutive ones, pp outermost as in the run's
-    mesh. Any grouping is correct: a token's expert output does not depend on which ranks
-    exchange it, and gradients are summed over every rank that holds the same experts; the
-    ranks of one stage run the same schedule, so their exchanges come in the same order."""
-    if pp == 1:
-        return init_device_mesh(device_type, (ranks // ep, ep), mesh_dim_names=EP_AXES)
-    mesh = init_device_mesh(device_type, (pp, ranks // ep, ep), mesh_dim_names=("pp", *EP_AXES))
+    stage and tensor-parallel coordinate (collective: every rank builds it). In the run's mesh
+    (pp outermost, tp innermost) those ranks are `ranks` ones `tp` apart. Any grouping is
+    correct: a token's expert output does not depend on which ranks exchange it, and gradients
+    are summed over every rank that holds the same experts; the ranks of one stage run the same
+    schedule, so their exchanges come in the same order.
+
+    Under tensor parallel the expert modules run as `tokens` modules (tensor_parallel.py): every
+    tp rank routes the same tokens (all-gathered along the sequence under sequence parallel), so
+    each tp coordinate has an expert grid of its own that exchanges exactly the single-process
+    tokens, and the experts' gradients are whole on every tp rank — summed over edp, never tp."""
+    shape, names = (pp, ranks // ep, ep, tp), ("pp", *EP_AXES, "tp")
+    kept = [(n, d) for n, d in zip(names, shape, strict=True) if n in EP_AXES or d > 1]
+    mesh = init_device_mesh(device_type, tuple(d for _, d in kept),
+                            mesh_dim_names=tuple(n for n, _ in kept))
     return mesh[EP_AXES]
 
 

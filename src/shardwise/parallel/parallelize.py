@@ -13,7 +13,8 @@ Order, and why it is fixed:
   5. activation checkpointing — marks whole blocks, after TP has rewritten their insides
   6. compile          — per block, after AC so the recompute is compiled too
   7. data parallel    — FSDP2 / DDP last: FSDP shards whatever parameters it finds (TP DTensors
-     become 2-D), DDP registers hooks on the final parameters.
+     become 2-D), DDP registers hooks on the final parameters; zero 0/1 under tp or pp is
+     reduced by the optimizers instead (parallel/flat_dp.py), so nothing wraps the parts.
 
 A model built on the meta device (`models.registry.build_deferred`) goes through 1–7 without
 memory and is materialised between FSDP and DDP: every tensor already has its final local shape
@@ -83,15 +84,18 @@ def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory
         for part in parts:
             apply_tensor_parallel(part, plan, ctx.mesh["tp"],
                                   sequence_parallel=par.sequence_parallel, loss_parallel=loss_par)
-    # 3. context parallel (one part: cp > 1 with pipeline parallel is refused by check_layout)
+    # 3. context parallel (every stage: each supplies its own tokens' positions)
     context = None
     if dims.cp > 1:
         cp_mesh = ctx.mesh["cp"]
-        context = apply_context_parallel(parts[0], plan, cp_mesh.get_group(),
+        context = apply_context_parallel(parts, plan, cp_mesh.get_group(),
                                          cp_mesh.get_local_rank(), dims.cp, par.cp_comm)
+        if dims.tp > 1 and par.sequence_parallel:
+            context.hidden_seq_split = dims.tp
     # 4. expert parallel (every stage part: the expert mesh is this stage's dp x cp ranks)
     if dims.ep > 1:
-        expert_mesh = build_expert_mesh(dims.dp * dims.cp, dims.ep, ctx.device.type, dims.pp)
+        expert_mesh = build_expert_mesh(dims.dp * dims.cp, dims.ep, ctx.device.type, dims.pp,
+                                        dims.tp)
         for part in parts:
             apply_expert_parallel(part, plan, expert_mesh, zero_over_edp=dims.zero >= 2)
     # 5. activation checkpointing, 6. compile
@@ -102,6 +106,7 @@ def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory
     # tied tensors whose members sit on different stages: found before DDP renames parameters
     tied = TiedAcrossStages.build(parts, ids, n_stages, plan, ctx) if dims.pp > 1 else None
     # 7. data parallel (invariant mode reduces DDP/ZeRO-1 gradients itself, in a fixed tree)
+    flat_dp = False
     if dims.dp * dims.cp > 1 or dims.zero >= 2:
         if dims.zero >= 2:  # FSDP2; with tp > 1 the parameters become 2-D (dp, tp) DTensors
             dp_mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 \
@@ -117,6 +122,8 @@ def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory
             if invariant:
                 for part in parts:
                     install_on_fsdp(part)
+        elif not invariant and (dims.tp > 1 or dims.pp > 1):
+            flat_dp = True  # DDP cannot wrap these: the optimizers reduce (parallel/flat_dp.py)
         elif not invariant:
             if deferred:  # before DDP, which holds the final parameters
                 assert record is not None
@@ -132,7 +139,7 @@ def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory
                        sequence_parallel=dims.tp > 1 and par.sequence_parallel, invariant=invariant,
                        stage_ids=ids, n_stages=n_stages, schedule=par.pp_schedule,
                        tied=tied if tied is not None and tied.groups else None, context=context,
-                       strategy=_step_strategy(invariant, pipeline=dims.pp > 1))
+                       strategy=_step_strategy(invariant, pipeline=dims.pp > 1), flat_dp=flat_dp)
     if dims.pp > 1:
         pm.pipeline = Pipeline(parts, ids, n_stages, par.pp_schedule, accumulation,
                                ctx.mesh["pp"], ctx.device, pm.pipeline_loss)

@@ -85,9 +85,11 @@ class PipelineStep:
         total = torch.zeros((), dtype=torch.float64, device=pm.ctx.device)
         inputs = torch.cat([b[0] for b in batches])
         targets = torch.cat([b[1] for b in batches])
+        # under context parallel: this rank's zigzag chunks (each stage adds their positions)
+        inputs, targets, _ = pm.local_sequence(inputs, targets)
         pm.phase("forward")
         pm.phase("backward")  # the schedule interleaves both; a drill fires before it
-        with pm.autocast():
+        with pm.autocast(), pm.context_active():
             losses = pm.pipeline.run(inputs, targets)
         for loss in losses:
             total += loss.detach().double()

@@ -72,9 +72,9 @@ class Layout:
 
     @property
     def available(self) -> bool:
-        """Whether this version of shardwise runs it (expert parallel, context parallel with
-        pipeline parallel, and a data-parallel-outermost mesh: not yet)."""
-        return self.ep == 1 and (self.cp == 1 or self.pp == 1) and self.order == "tp-cp-dp-pp"
+        """Whether this version of shardwise runs it (expert parallel and a
+        data-parallel-outermost mesh: not in the planner's search yet)."""
+        return self.ep == 1 and self.order == "tp-cp-dp-pp"
 
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
@@ -143,8 +143,8 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
         return "zero 0 (DDP) shards nothing across dp_shard"
     if lo.zero > 0 and lo.dp_shard == 1 and not (lo.world == 1 and lo.zero >= 2):
         return f"zero {lo.zero} needs dp_shard > 1"
-    if lo.zero in (0, 1) and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1):
-        return "DDP / ZeRO-1 does not compose with tp or pp in shardwise (use zero 2/3)"
+    if lo.zero in (0, 1) and lo.dp * lo.cp > 1 and (lo.tp > 1 or lo.pp > 1) and lo.ep > 1:
+        return "DDP / ZeRO-1 with tp or pp does not take ep yet (use zero 2/3)"
     if lo.recompute not in RECOMPUTE:
         return f"recompute {lo.recompute!r}"
     if lo.recompute != "none" and not model.supports_recompute:

@@ -251,7 +251,12 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         grads = grads_step = g_bytes * full
         opt = 8 * full if lo.zero == 0 else 12 * shard
         optimized = full if lo.zero == 0 else shard  # what AdamW updates on this rank
-        if lo.dp > 1 and accumulate:  # no_sync: gradients grow beside DDP's (kept) buckets
+        if (lo.tp > 1 or lo.pp > 1) and lo.dp * lo.cp > 1:
+            # parallel/flat_dp (DDP cannot wrap tp/pp): the gradients packed into one flat
+            # buffer (the all-reduce or reduce-scatter input, reused for the all-gather), and
+            # under ZeRO-1 the slice of summed gradients received
+            buffers += g_bytes * full + (g_bytes * full / lo.dp_shard if lo.zero == 1 else 0)
+        elif lo.dp > 1 and accumulate:  # no_sync: gradients grow beside DDP's (kept) buckets
             buffers += g_bytes * full
     else:
         p_bytes = 4 * shard

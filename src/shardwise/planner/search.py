@@ -131,13 +131,16 @@ def degree_choices(model: ModelDims, cluster: ClusterSpec, batch: Batch, space: 
                     if world == 1:
                         zeros = (0, 2, 3)
                     for zero in zeros:
-                        if zero in (0, 1) and dp > 1 and (tp > 1 or pp > 1):
-                            pruned["DDP / ZeRO-1 with tp or pp (shardwise needs ZeRO-2/3)"] += 1
-                            continue
+                        # DDP / ZeRO-1 under tp or pp: the distributed optimizer
+                        # (parallel/flat_dp.py), which does not take ep yet
+                        flat = zero in (0, 1) and dp * cp > 1 and (tp > 1 or pp > 1)
                         eps = [1]
                         if model.moe and not model.opaque:
                             eps += [e for e in divisors(model.experts) if 1 < e <= space.max_ep
                                     and (shard * cp) % e == 0]
+                        if flat and len(eps) > 1:
+                            pruned["ep with DDP / ZeRO-1 under tp or pp (not yet)"] += len(eps) - 1
+                            eps = [1]
                         for ep in eps:
                             for order in orders(cluster, pp, dp):
                                 yield Layout(dp_replicate=dp // shard, dp_shard=shard, zero=zero,

@@ -7,7 +7,7 @@ at step k gives lr(k) exactly. Optimizer state is saved flattened and keyed by p
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +26,7 @@ from shardwise.parallel.collectives import gather_full
 from shardwise.parallel.data_parallel import Zero1Optimizer
 from shardwise.parallel.dims import MESH_AXES
 from shardwise.parallel.distributed import DistContext
+from shardwise.parallel.flat_dp import DistributedOptimizer, FlatAllReduce
 from shardwise.parallel.parallelize import ParallelModel, unwrap
 from shardwise.spec.runspec import OptimizerSection
 
@@ -57,21 +58,59 @@ def build_adamw(named_params: Sequence[tuple[str, nn.Parameter]], opt: Optimizer
 
 
 class Optimizers:
-    """One optimizer per model part (pipeline stages each own theirs), stepped together."""
+    """One optimizer per model part (pipeline stages each own theirs), stepped together; under
+    tensor or pipeline parallel with zero 0/1 they also own the data-parallel reduction
+    (`parallel.flat_dp`: DDP cannot wrap those layouts)."""
 
     def __init__(self, pm: ParallelModel, opt: OptimizerSection) -> None:
         self.pm = pm
         dims = pm.ctx.dims
         self.zero1 = dims.zero == 1 and dims.dp > 1
+        self.reducer: FlatAllReduce | None = None
         self.optimizers: list[Any] = []
+        make = functools.partial(build_adamw, opt=opt, device=pm.ctx.device)
+        if pm.flat_dp and self.zero1:
+            replicas = _replica_group(pm.ctx)
+            self.optimizers = [DistributedOptimizer(list(part.named_parameters()),
+                                                    pm.ctx.mesh, "dp_shard", replicas, make)
+                               for part in pm.parts]
+            return
+        if pm.flat_dp:
+            self.reducer = FlatAllReduce(pm.parameters(), pm.ctx.grad_group())
         for part in pm.parts:
             if self.zero1:
-                self.optimizers.append(Zero1Optimizer(
-                    unwrap(part), pm.ctx.mesh["dp_shard"],
-                    lambda named: build_adamw(named, opt, pm.ctx.device)))
+                self.optimizers.append(Zero1Optimizer(unwrap(part), pm.ctx.mesh["dp_shard"], make))
             else:
-                self.optimizers.append(build_adamw(list(part.named_parameters()), opt,
-                                                   pm.ctx.device))
+                self.optimizers.append(make(list(part.named_parameters())))
+
+    def reduce_grads(self) -> None:
+        """Sum the gradients over the data-parallel ranks where DDP or FSDP did not (after the
+        step's last backward: `parallel.flat_dp`)."""
+        if self.reducer is not None:
+            self.reducer.reduce()
+        for o in self.optimizers:
+            if isinstance(o, DistributedOptimizer):
+                o.reduce()
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        """The gradients the update reads, each counted once (tied copies' mirrors left out):
+        the parameters', or the distributed optimizer's sharded ones."""
+        counted = self.pm.counted_parameters()
+        if not any(isinstance(o, DistributedOptimizer) for o in self.optimizers):
+            return [p.grad for p in counted if p.grad is not None]
+        ids = {id(p) for p in counted}
+        out: list[torch.Tensor] = []
+        for o in self.optimizers:
+            names = {s.name for s in o.slices if id(s.param) in ids}
+            out += o.grads(names)
+        return out
+
+    def scale_grads(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient the update reads by `factor` (unscaling, clipping)."""
+        if any(isinstance(o, DistributedOptimizer) for o in self.optimizers):
+            _scale([g for o in self.optimizers for g in o.grads()], factor)
+        else:
+            scale_grads(self.pm, factor)
 
     def set_lr(self, lr: float) -> None:
         for o in self.optimizers:
@@ -90,23 +129,32 @@ class Optimizers:
         """Every tensor the optimizers hold (moments, steps, ZeRO-1 master shards)."""
         out: list[torch.Tensor] = []
         for o in self.optimizers:
-            inner = o.optimizer if isinstance(o, Zero1Optimizer) else o
+            inner = o.optimizer if isinstance(o, Zero1Optimizer | DistributedOptimizer) else o
             for state in inner.state.values():
                 out.extend(v for v in state.values() if torch.is_tensor(v))
             if isinstance(o, Zero1Optimizer):
                 out.extend(o.shards.values())
+            if isinstance(o, DistributedOptimizer):
+                out.extend(o.masters.values())
         return out
 
     def _part_state(self, index: int) -> dict[str, Any]:
         """Part `index`'s flattened optimizer state, a tied tensor's copy named by its group's
         first name (as the single process names it), so checkpoints reshard across pp."""
         part, o = self.pm.parts[index], self.optimizers[index]
-        sd = o.state_dict() if isinstance(o, Zero1Optimizer) else \
+        sd = o.state_dict() if isinstance(o, Zero1Optimizer | DistributedOptimizer) else \
             get_optimizer_state_dict(part, o, options=_FLAT)
         return _renamed(sd, self._aliases(index))
 
     def _aliases(self, index: int) -> dict[str, str]:
         return self.pm.tied.aliases(index) if self.pm.tied is not None else {}
+
+    def _tied_keys(self) -> set[str]:
+        """Every name of a tied tensor this rank holds more than one copy of."""
+        if self.pm.tied is None:
+            return set()
+        return {name for group in self.pm.tied.groups if len(group.held) > 1
+                for name in group.names}
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
@@ -125,13 +173,27 @@ class Optimizers:
         return full
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        tied = self._tied_keys()
         for i, (part, o) in enumerate(zip(self.pm.parts, self.optimizers, strict=True)):
             back = {canonical: name for name, canonical in self._aliases(i).items()}
-            part_state = {**state, **_renamed(state, back)} if back else state
-            if isinstance(o, Zero1Optimizer):
+            part_state = {**state, **_renamed(state, back)} if back else dict(state)
+            if i > 0 and tied:
+                # Copies of one tied tensor held by two parts of this rank (the zero-bubble V
+                # puts the first and last stages on one rank) read the same saved state: each
+                # gets tensors of its own, or both optimizers would step one shared `step`,
+                # `exp_avg`, `exp_avg_sq` — twice per step.
+                part_state = {k: v.clone() if torch.is_tensor(v) and _names(k) & tied else v
+                              for k, v in part_state.items()}
+            if isinstance(o, Zero1Optimizer | DistributedOptimizer):
                 o.load_state_dict(part_state)
             else:
                 set_optimizer_state_dict(part, o, optim_state_dict=part_state, options=_FLAT)
+
+
+def _names(key: str) -> set[str]:
+    """The parameter a flattened optimizer-state key names, as a one-element set."""
+    head, _, rest = key.partition(".")
+    return {rest.rsplit(".", 1)[0]} if head in ("state", "param_groups") else set()
 
 
 def _renamed(flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
@@ -150,18 +212,19 @@ def _renamed(flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def lr_at(step: int, opt: OptimizerSection, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
-    if opt.warmup_steps and step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
-    if opt.schedule == "constant":
-        return opt.lr
-    span = max(1, total_steps - opt.warmup_steps)
-    progress = min(1.0, (step - opt.warmup_steps) / span)
-    return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1.0 + math.cos(math.pi * progress))
+def _replica_group(ctx: DistContext) -> dist.ProcessGroup | None:
+    """The ranks holding the same ZeRO-1 slices as this one: dp_replicate x cp (collective:
+    a flattened view is a new process group on every rank)."""
+    assert ctx.mesh is not None
+    axes = [a for a in ("dp_replicate", "cp") if ctx.mesh[a].size() > 1]
+    if not axes:
+        return None
+    if len(axes) == 1:
+        return ctx.mesh[axes[0]].get_group()
+    return ctx.mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp").get_group()
 
 
-def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
+def global_grad_norm(pm: ParallelModel, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm of every gradient of the whole model, across shards, TP ranks and stages, as a
     device scalar (no host sync), with one all-reduce over the world.
 
@@ -172,7 +235,8 @@ def global_grad_norm(pm: ParallelModel) -> torch.Tensor:
     (DTensor's `full_tensor`, one all-reduce per mesh dimension, and a warning for 2-D meshes)
     and works for any mix of meshes (FSDP + TP without sequence parallel has gradients on three).
     """
-    grads = [p.grad for p in pm.counted_parameters() if p.grad is not None]
+    if grads is None:
+        grads = [p.grad for p in pm.counted_parameters() if p.grad is not None]
     device = pm.ctx.device
     counted = [_local(g).float() for g in grads if _counted_here(g, pm.ctx)]
     sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -233,11 +297,14 @@ def clip_grads(pm: ParallelModel, max_norm: float, total: torch.Tensor) -> None:
 def scale_grads(pm: ParallelModel, factor: torch.Tensor | float) -> None:
     """Multiply every gradient (each rank's local values) by `factor`, in one foreach per
     dtype (no host sync for a tensor factor)."""
+    _scale([p.grad for p in pm.parameters() if p.grad is not None], factor)
+
+
+def _scale(grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in pm.parameters():
-        if p.grad is not None:
-            local = _local(p.grad)
-            by_dtype.setdefault(local.dtype, []).append(local)
+    for g in grads:
+        local = _local(g)
+        by_dtype.setdefault(local.dtype, []).append(local)
     for dtype, tensors in by_dtype.items():
         f = factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
         foreach_mul_(tensors, f)

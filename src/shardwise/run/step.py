@@ -28,7 +28,7 @@ from shardwise.parallel.invariant import invariant_grad_norm
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.resilience.faults import FaultInjector
 from shardwise.run.loss_scale import LossScaler
-from shardwise.run.optim import Optimizers, global_grad_norm, scale_grads
+from shardwise.run.optim import Optimizers, global_grad_norm
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
     _reduce_partial_grads(pm)
     if faults is not None:
         faults.after_backward(step + 1, pm.parameters())
-    norm = invariant_grad_norm(pm.parameters()) if pm.invariant else global_grad_norm(pm)
+    optimizers.reduce_grads()
+    norm = invariant_grad_norm(pm.parameters()) if pm.invariant else \
+        global_grad_norm(pm, optimizers.norm_grads())
     if scaler is not None:
         norm = norm / scale  # the norm of the unscaled gradients
     skipped = not bool(torch.isfinite(norm))  # the step's one host sync: update or not
@@ -141,7 +143,7 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         if scaler is not None:
             factor = factor / scale if factor is not None else 1.0 / scale
         if factor is not None:
-            scale_grads(pm, factor)
+            optimizers.scale_grads(factor)
         if on_phase is not None:
             on_phase("optimizer", step + 1)
         elif faults is not None:
