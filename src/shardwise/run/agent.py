@@ -2,8 +2,8 @@
 why they failed when they do (a user error written by the workers, a hang report, a collective
 mismatch read from the flight records, a preemption).
 
-Rendezvous is c10d on localhost port 0, so the agent binds a free port: parallel jobs on one
-machine never collide on a fixed port.
+The rendezvous is `run.local_rendezvous`: one store on 127.0.0.1 and a free port, so parallel
+jobs on one machine never collide on a port and nothing listens beyond this machine.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from shardwise.resilience.preempt import (
     read_marker,
     write_marker,
 )
+from shardwise.run import local_rendezvous
 from shardwise.run.rundir import ERRORS_DIR
 
 
@@ -67,7 +68,8 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        rdzv_backend=local_rendezvous.BACKEND, rdzv_endpoint="",
+        local_addr=local_rendezvous.LOOPBACK, max_restarts=max_restarts,
         monitor_interval=0.1, **_agent_signal_options(preempt_signals, grace_s),
     )
     args = ["-m", "shardwise.run.worker", str(run_dir), *map(str, then),

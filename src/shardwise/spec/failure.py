@@ -15,8 +15,26 @@ KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch", "signal"
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "checkpoint-write")
 
 
+#: what schedulers and people send to ask a job to stop (Slurm --signal, SGE -notify, LSF, PBS,
+#: Flux's time limit, Kubernetes, a UPS): the only signals a preemption may be declared on
+PREEMPTION_SIGNALS = tuple(name for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                             "SIGUSR2", "SIGXCPU", "SIGALRM", "SIGPWR")
+                           if hasattr(signal.Signals, name))
+#: why another signal must not count as a preemption
+_CHILD = "a process gets it each time a child process (such as `git`) exits, so every launch " \
+    "would stop as preempted"
+_CRASH = "it reports a crash, which must not be checkpointed as if the job were preempted"
+_WHY_NOT = {"SIGCHLD": _CHILD, "SIGCLD": _CHILD,
+            **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGIOT",
+                             "SIGTRAP", "SIGSYS"), _CRASH)}
+_OTHER = ("a process gets it for reasons of its own (pipes, the terminal, job control, "
+          "profilers, I/O), so launches would stop as preempted for no reason")
+
+
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """`"SIGTERM,SIGUSR1"` (or `"TERM, USR1"`) as signals; "" is none."""
+    """`"SIGTERM,SIGUSR1"` (or `"TERM, USR1"`) as signals; "" is none. Only signals that ask a job
+    to stop (`PREEMPTION_SIGNALS`) are accepted: another that this process gets for its own
+    reasons, or one that means a crash, would turn ordinary events into preemptions."""
     found = []
     for name in filter(None, (part.strip().upper() for part in text.split(","))):
         full = name if name.startswith("SIG") else f"SIG{name}"
@@ -25,6 +43,12 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
             raise SpecError(f"failure.preempt_signals: {show(name, 30)} is not a signal that can "
                             "be caught; list names such as \"SIGTERM,SIGUSR1\" (\"\" disables "
                             "preemption handling).")
+        if sig.name not in PREEMPTION_SIGNALS:
+            raise SpecError(
+                f"failure.preempt_signals: {sig.name} is not a preemption signal: "
+                f"{_WHY_NOT.get(sig.name, _OTHER)}. List signals a scheduler "
+                f"sends to ask a job to stop: {', '.join(PREEMPTION_SIGNALS)} (e.g. "
+                "\"SIGTERM,SIGUSR1\"; \"\" disables preemption handling).")
         found.append(sig)
     return tuple(found)
 

@@ -12,12 +12,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, show
 from shardwise.spec.checks import at_least, choice, divisors, positive
 from shardwise.spec.failure import parse_faults, parse_signals
 from shardwise.spec.model import ModelSection
+from shardwise.spec.secrets import check_no_credentials
+from shardwise.utils.paths import is_within
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -28,6 +31,7 @@ SCHEDULES = ("cosine", "constant")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
+TIMEOUT_MAX_S = 7 * 24 * 3600  # parallel.timeout_s: a week
 _PY_FUNCTION = re.compile(r"py:.+\.py:[A-Za-z_][A-Za-z0-9_]*")  # a py: dataset
 RUN_NAME_MAX = 100
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -239,7 +243,8 @@ class ParallelSection:
     nproc: int = 0
     device: str = "auto"  # auto: cuda when CUDA is present, else cpu
     backend: str = "auto"  # auto: nccl on cuda, gloo on cpu
-    timeout_s: float = 300.0  # collective timeout: a hang fails after this instead of forever
+    # collective timeout: a hang fails after this instead of forever (at most 604800: 7 days)
+    timeout_s: float = 300.0
 
     def validate(self) -> None:
         positive("parallel.dp_replicate", self.dp_replicate)
@@ -269,6 +274,12 @@ class ParallelSection:
                    "backend = \"nccl\" (or \"auto\") on GPUs, or device = \"cpu\" to train on "
                    "the CPU."))
         positive("parallel.timeout_s", self.timeout_s)
+        if self.timeout_s > TIMEOUT_MAX_S:
+            raise SpecError(
+                f"parallel.timeout_s is {self.timeout_s:g} seconds; it can be at most "
+                f"{TIMEOUT_MAX_S} (7 days). It is how long a collective may wait before the run "
+                "fails as hung, so minutes to hours are plenty (the default is 300); a value "
+                "beyond what a time span can hold would fail in every worker instead.")
 
 
 @dataclass(frozen=True)
@@ -498,6 +509,7 @@ class RunSpec:
     fit: FitSection = field(default_factory=FitSection)
 
     def validate(self) -> RunSpec:
+        check_no_credentials(self.to_dict())  # first: no other message may quote a secret
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         if self.checkpoint.hf_export:
@@ -511,7 +523,22 @@ class RunSpec:
                                 "directory: it needs checkpoint.enabled = true and checkpoints on "
                                 "disk (checkpoint.uri empty or a local folder). Run `shardwise "
                                 "export --format hf` on a local copy otherwise.")
+            self._check_export_target()
         return self
+
+    def _check_export_target(self) -> None:
+        """checkpoint.hf_export must not write into model.hf_path: the export's model.safetensors
+        and config.json would replace the weights the run was fine-tuned from."""
+        source = self.model.hf.hf_path if self.model.hf is not None else ""
+        out = Path(self.checkpoint.hf_export).expanduser()
+        if not source or not (out.is_absolute() or self.run.dir):
+            return  # a relative path inside a fresh, timestamped run directory
+        out = out if out.is_absolute() else Path(self.run.dir).expanduser() / out
+        if is_within(out, Path(source).expanduser()):
+            raise SpecError(f"checkpoint.hf_export = {show(self.checkpoint.hf_export)} is "
+                            f"model.hf_path ({show(source)}) or inside it: the export would "
+                            "overwrite the weights this run starts from. Export to another "
+                            "folder (a relative path is inside the run directory).")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section as a plain table ([model] flat: family, init, the family's keys)."""
