@@ -8,10 +8,13 @@ Usage: python .ci/digest.py REPORT.xml [REPORT.xml ...] [--step NAME=CODE ...]
 from __future__ import annotations
 
 import sys
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-TAIL = 6  # lines of each failure's message and traceback end
+TAIL = 4  # lines of each failure's traceback end
+MESSAGE_LINES = 4  # lines of its exception message
+WIDTH = 160
 
 
 def main(argv: list[str]) -> int:
@@ -31,8 +34,12 @@ def main(argv: list[str]) -> int:
                 bad = case.find("error")
             if bad is not None:
                 totals["failed"] += 1
-                text = (bad.text or bad.get("message") or "").rstrip().splitlines()
-                failures.append((test_id, text[-TAIL:]))
+                text = (bad.text or "").rstrip().splitlines()
+                # the exception's own message first (it names the cause), wrapped, not cut;
+                # then where it was raised
+                message = textwrap.wrap(" ".join((bad.get("message") or "").split()),
+                                        WIDTH)[:MESSAGE_LINES]
+                failures.append((test_id, message + text[-TAIL:]))
             elif case.find("skipped") is not None:
                 totals["skipped"] += 1
             else:
@@ -43,7 +50,7 @@ def main(argv: list[str]) -> int:
     for test_id, lines in failures:
         print(f"FAILED {test_id}")
         for line in lines:
-            print(f"    {line[:200]}")
+            print(f"    {line[:WIDTH]}")
     print(f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
     return 0
 

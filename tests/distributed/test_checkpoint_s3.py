@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint.checkpointer import Checkpointer
+from shardwise.checkpoint.layout import OWNER
 from shardwise.checkpoint.storage import LOCATION_FILE, StorageSpec, open_storage
 from shardwise.errors import SpecError, UserError
 from tests.support.ranks import run_ranks
@@ -148,7 +149,8 @@ def test_corrupted_s3_object_is_named_and_resume_falls_back(s3env, small_corpus,
     assert "skipping checkpoint step-000004" in capfd.readouterr().err
     assert result["losses"] == reference["losses"][2:]
     kept = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(prefix))
-    assert kept == ["step-000004", "step-000006"]  # keep_last = 2, step 4 rewritten and valid
+    # keep_last = 2, step 4 rewritten and valid; the run's owner record stays, its lease is gone
+    assert kept == [OWNER, "step-000004", "step-000006"]
 
 
 def test_interrupted_s3_save_is_never_loaded(s3env, tmp_path):

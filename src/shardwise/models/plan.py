@@ -63,9 +63,12 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise.utils.constants import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["IGNORE_INDEX", "TP_STYLES", "LossFn", "ModelPlan", "ModelShape", "PlanError", "Stages",
            "attach_plan", "described", "find_tied", "plan_of", "unique_params"]
@@ -248,3 +251,25 @@ def described(plan: ModelPlan) -> dict[str, Any]:
             "experts": plan.experts, "loss": "next-token" if plan.loss is None else
             getattr(plan.loss, "__qualname__", repr(plan.loss)),
             "n_blocks": plan.n_blocks, "shape": dict(plan.shape.__dict__)}
+
+
+def embedding_refusal(name: str, embedding: nn.Embedding) -> str:
+    """Why the vocabulary-parallel lookup cannot run `embedding` (empty: it can), as a message
+    for the user. Each rank looks up every token it does not hold from its local row 0 and
+    masks the result, and that stand-in breaks the options that act on the rows a lookup
+    touches: `max_norm` renormalises them in place (row 0 of every rank would be renormalised
+    for tokens it does not hold), `scale_grad_by_freq` divides a row's gradient by how often
+    the micro-batch looks it up (row 0 would count the other ranks' tokens); a `sparse`
+    gradient cannot be the DTensor shard the optimizer and the gradient norm take.
+    `padding_idx` is supported (`VocabLookup`)."""
+    options = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq,
+               "sparse": embedding.sparse}
+    used = {key: value for key, value in options.items()
+            if value is not None and value is not False}
+    if not used:
+        return ""
+    named = " and ".join(f"{key} = {value}" for key, value in used.items())
+    return (f"{name} is an embedding with {named}, which tensor parallel's vocabulary-split "
+            "lookup (style `embedding`) does not support: each rank looks up the tokens it does "
+            "not hold from a stand-in row. Use tp = 1 (every data-parallel layout and pipeline "
+            f"parallel train it), or build the embedding without {' and '.join(used)}.")

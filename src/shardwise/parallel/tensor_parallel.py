@@ -46,14 +46,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from shardwise.compat import DTensorSpec
-from shardwise.models.plan import ModelPlan, PlanError
+from shardwise.models.plan import ModelPlan, PlanError, embedding_refusal
 from shardwise.parallel.tp_collectives import TPRegion, Transform, _GatherWhole, _OwnPart
 
 # loss_context and vocab_parallel_loss_sum stay importable from here, where callers imported them
 # before they moved to vocab_parallel.py (new code imports them from there)
 from shardwise.parallel.vocab_parallel import (  # noqa: F401
     VocabLookup,
-    embedding_refusal,
     loss_context,
     vocab_parallel_loss_sum,
 )

@@ -1,7 +1,7 @@
-"""Vocabulary parallel: the embedding lookup of a vocabulary-sharded table (`VocabLookup`, and
-`embedding_refusal` for the embedding options it cannot honour), and the cross entropy of
-vocabulary-sharded logits (`vocab_parallel_loss_sum`, and torch's `loss_parallel` context for
-code that calls F.cross_entropy on them: `loss_context`).
+"""Vocabulary parallel: the embedding lookup of a vocabulary-sharded table (`VocabLookup`; the
+embedding options it cannot honour are refused by `shardwise.models.plan.embedding_refusal`),
+and the cross entropy of vocabulary-sharded logits (`vocab_parallel_loss_sum`, and torch's
+`loss_parallel` context for code that calls F.cross_entropy on them: `loss_context`).
 
 The tensor-parallel styles (`tensor_parallel.py`) shard the embedding's and the output
 projection's rows by token id; these are the pieces that compute on those shards.
@@ -76,28 +76,6 @@ def local_row(row: int | None, start: int, rows: int) -> int | None:
     if row is None or not start <= row < start + rows:
         return None
     return row - start
-
-
-def embedding_refusal(name: str, embedding: nn.Embedding) -> str:
-    """Why the vocabulary-parallel lookup cannot run `embedding` (empty: it can), as a message
-    for the user. Each rank looks up every token it does not hold from its local row 0 and
-    masks the result, and that stand-in breaks the options that act on the rows a lookup
-    touches: `max_norm` renormalises them in place (row 0 of every rank would be renormalised
-    for tokens it does not hold), `scale_grad_by_freq` divides a row's gradient by how often
-    the micro-batch looks it up (row 0 would count the other ranks' tokens); a `sparse`
-    gradient cannot be the DTensor shard the optimizer and the gradient norm take.
-    `padding_idx` is supported (`VocabLookup`)."""
-    options = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq,
-               "sparse": embedding.sparse}
-    used = {key: value for key, value in options.items()
-            if value is not None and value is not False}
-    if not used:
-        return ""
-    named = " and ".join(f"{key} = {value}" for key, value in used.items())
-    return (f"{name} is an embedding with {named}, which tensor parallel's vocabulary-split "
-            "lookup (style `embedding`) does not support: each rank looks up the tokens it does "
-            "not hold from a stand-in row. Use tp = 1 (every data-parallel layout and pipeline "
-            f"parallel train it), or build the embedding without {' and '.join(used)}.")
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -81,6 +81,10 @@ def _train(spec: RunSpec, ctx: DistContext, run_dir: Path, mode: ResumeMode, ui:
             data, source = _prepare_everywhere(spec, startup)
         else:
             startup, data, source = prepared
+        # the hashes of the data these workers read, whatever the spec pinned: a resume
+        # compares them with the checkpoint's (prepare_data already refused pinned ones that
+        # differ), so unpinned specs (a library call, a hand-written spec.toml) are checked too
+        spec = with_data_hashes(spec, data)
         events = _event_log(spec, ctx, run_dir, ui)
     except StoppedAtStartup as stop:
         return _stopped(run_dir, ctx, stop)

@@ -34,10 +34,10 @@ from shardwise.models.plan import (
     ModelShape,
     PlanError,
     Stages,
+    embedding_refusal,
     find_tied,
     unique_params,
 )
-from shardwise.parallel.vocab_parallel import embedding_refusal
 from shardwise.telemetry.flops import FlopCounts
 
 # HF tensor-parallel style -> shardwise style. `output` / `embedding` are decided by the module
