@@ -37,10 +37,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
     """FSDP2 per block, then the root.
 
     Gradients are summed, never averaged (the loss is already divided by the step's global token
-    count), and reduced in fp32. Precision (see `shardwise.parallel.precision`): with bf16/fp16,
-    the weights of matmul modules (`nn.Linear`) are gathered in the compute dtype — exactly the
-    cast autocast would make, at half the all-gather bytes — while every other parameter (norms,
-    embeddings, the root's head) is gathered in fp32, as the other layouts use it.
+    count), and reduced in fp32. Precision (see `shardwise.parallel.precision`): with bf16, the
+    weights of matmul modules (`nn.Linear`) are gathered in the compute dtype — exactly the cast
+    autocast would make, at half the all-gather bytes — while every other parameter (norms,
+    embeddings, the root's head) is gathered in fp32, as the other layouts use it. Under bf16 a
+    block is therefore two units: its matmul sub-modules (`matmul_modules`, one grouped unit in
+    bf16) inside the block itself (fp32, the rest); `matmul_modules` says why that split and not
+    norms apart.
     """
     matmul, exact = fsdp_policies(precision)
     # expert-parallel parameters are already distributed over ep (parallel/expert.py): those
@@ -57,12 +60,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, zero: int, precision: str,
             if edp_mesh is not None:  # fp32 gathers: autocast casts for the experts' matmuls
                 fully_shard(m, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=exact)
         if matmul is not exact:
-            others = [m for m in non_matmul_modules(block) if not isinstance(m, FSDPModule)
-                      and any(p not in ignored for p in m.parameters(recurse=False))]
-            if others:
-                fully_shard(others, mesh=mesh, reshard_after_forward=reshard, mp_policy=exact,
+            linears = matmul_modules(block)
+            if linears:
+                fully_shard(linears, mesh=mesh, reshard_after_forward=reshard, mp_policy=matmul,
                             **skip)
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=matmul, **skip)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=exact, **skip)
     # The root (embedding, final norm, output) is needed first thing in backward: keep it
     # gathered after forward, as torch does by default; re-gathering it would cost one
     # all-gather of those weights per micro-batch for no memory gain at the peak.
@@ -76,10 +78,11 @@ def fsdp_policies(precision: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionP
     when every parameter is gathered in fp32. Inputs are never cast by FSDP: the residual stream
     stays fp32 on every layout.
 
-    Only bf16 gathers matmul weights in the compute dtype: measured on one step, the bf16 gather
-    gives the single process's gradients up to fp32 summation order (5e-8 relative), while an
-    fp16 gather changed the first block's weight gradients by 3e-5 relative (on CPU, torch 2.13)
-    — so fp16 runs gather fp32 weights and let autocast cast them, as every other layout does."""
+    Only bf16 gathers matmul weights in the compute dtype: measured on one micro-batch, the bf16
+    gather gives the single process's gradients bit for bit (CPU, torch 2.13; FSDP keeps
+    accumulating them in fp32, its `reduce_dtype`), while an fp16 gather changed the first
+    block's weight gradients by 3e-5 relative — so fp16 runs gather fp32 weights and let
+    autocast cast them, as every other layout does."""
     exact = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     dtype = compute_dtype(precision)
     if dtype is not torch.bfloat16:
@@ -88,10 +91,36 @@ def fsdp_policies(precision: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionP
                                 cast_forward_inputs=False), exact
 
 
-def non_matmul_modules(block: nn.Module) -> list[nn.Module]:
-    """Sub-modules of `block` that own parameters used outside a matmul (norms, embeddings)."""
-    return [m for m in block.modules() if not isinstance(m, nn.Linear)
-            and next(m.parameters(recurse=False), None) is not None]
+def matmul_modules(block: nn.Module) -> list[nn.Module]:
+    """The largest sub-modules of `block` whose every parameter belongs to an `nn.Linear`
+    (attention, MLP, a router), leaving out FSDP units already made (experts over edp).
+
+    Why these and not the norms as a unit apart: FSDP registers its post-backward hook by passing
+    the tensor inputs of a unit's first module through an identity autograd node. At a norm that
+    input is the residual stream, which the block also adds back: the identity splits its three
+    gradient terms (the residual, and the norm's two uses of x) into a + (b + c) where the single
+    process sums (a + b) + c — an fp32 rounding that bf16 then amplifies (a one-ulp change flips
+    some bf16 rounding of a later activation gradient): after one step ZeRO-3 moved 6e-4 of the
+    first blocks' AdamW moments away from the single process, with bits-equal losses. The input
+    of a pre-norm block's attention or MLP is a norm's output that only it reads, so the identity
+    there (and at the block's own input) changes no sum: the gradients equal the single
+    process's bit for bit."""
+    linear = {id(p) for m in block.modules() if isinstance(m, nn.Linear)
+              for p in m.parameters(recurse=False)}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            params = list(child.parameters())
+            if not params or isinstance(child, FSDPModule):
+                continue
+            if all(id(p) in linear for p in params):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(block)
+    return found
 
 
 def sum_gradients(model: nn.Module) -> None:

@@ -12,11 +12,15 @@ FSDP is the one layout that stores parameters differently, and only where it cha
 under bf16 it gathers the weights of `nn.Linear` modules already cast to bf16 (the cast autocast
 would make anyway, at half the all-gather bytes) and every other parameter in fp32; under fp16 it
 gathers everything in fp32 (see `shardwise.parallel.data_parallel.fsdp_policies` for why); it
-never casts a module's inputs.
+never casts a module's inputs, and its units are cut so that its backward hooks re-associate no
+gradient sum (`shardwise.parallel.data_parallel.matmul_modules`).
 
-What still differs between layouts is the order of fp32 sums (gradient reduction, accumulation)
-and, under tensor parallel, one extra bf16 rounding: a row-parallel matmul rounds each rank's
-partial output to bf16 before the sum. `tests/distributed/test_precision_policy.py` states the tolerances.
+What still differs between layouts is the order of fp32 sums (gradient reduction, accumulation,
+the gradient norm), and where tensor, context and expert parallel place a bf16 rounding: a
+row-parallel matmul rounds each rank's partial output before the sum (TP), ring attention merges
+fp32 blocks where SDPA rounds its output once (CP), an expert's weight gradient over several
+ranks' tokens is rounded once instead of per micro-batch (EP).
+`tests/distributed/test_precision_policy.py` states the tolerances and how they follow.
 """
 
 from __future__ import annotations
