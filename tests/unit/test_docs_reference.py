@@ -17,7 +17,8 @@ from shardwise.spec.cluster import ClusterSpec
 from shardwise.spec.failure import Fault
 from shardwise.spec.field_notes import FIELD_NOTES
 from shardwise.spec.model import FAMILY_FIELDS, BuilderFields, ModelSection
-from shardwise.spec.runspec import PRECISIONS, RunSpec
+from shardwise.spec.runspec import RunSpec
+from shardwise.spec.training import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "runspec.md"
@@ -125,3 +126,6 @@ def test_the_composition_table_is_the_codes():
 
     assert not matrix.stale(DOC.parent / "layouts.md"), (
         "docs/layouts.md's composition table is stale: paste `python -m shardwise.verify.matrix`")
+    assert not matrix.stale(DOC.parent.parent / "README.md", compact=True), (
+        "README.md's composition marks are stale: paste `python -m shardwise.verify.matrix "
+        "--compact`")
