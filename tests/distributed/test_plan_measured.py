@@ -24,8 +24,8 @@ import pytest
 
 from shardwise.cli.main import main
 from shardwise.cli.plan import _from_runspec
+from shardwise.planner.calibrate import read_run
 from shardwise.planner.cost import DEFAULT_PARAMS, predict_memory
-from shardwise.planner.measured import read_run
 from tests.support.ranks import run_ranks
 from tests.support.specs import grid, tiny_spec
 from tests.support.workers import train, train_many

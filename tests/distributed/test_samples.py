@@ -23,7 +23,7 @@ from shardwise.data import SampleData
 from shardwise.data.prepare import prepare_data
 from shardwise.data.samples import CollatedSamples, class_prior_loss, fingerprint, stack_pairs
 from shardwise.errors import SpecError, UserError
-from shardwise.spec.training import DataSection
+from shardwise.spec.runspec import DataSection
 from tests.support.compare import assert_model_close, state_sha256
 from tests.support.ranks import run_ranks
 from tests.support.specs import ASSETS, grid, tiny_spec

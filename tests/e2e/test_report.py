@@ -25,9 +25,7 @@ from PIL import Image
 
 from shardwise.cli.main import main
 from shardwise.report import load_run
-from shardwise.report.canvas import DPI, WIDTH_IN, plot_id
-from shardwise.report.curves import COMPARE_PLOTS
-from shardwise.report.plots import RUN_PLOTS
+from shardwise.report.plots import COMPARE_PLOTS, DPI, RUN_PLOTS, WIDTH_IN, plot_id
 from shardwise.spec import spec_from_dict, spec_to_toml
 from tests.support.specs import tiny_spec_dict
 

@@ -498,7 +498,7 @@ def synthetic_cases(names, truth: CostParams = TRUTH, scale: dict[str, float] | 
     (times `scale[name]` where given)."""
     from types import SimpleNamespace
 
-    from shardwise.planner.measured import RunRecord
+    from shardwise.planner.calibrate import RunRecord
 
     cases = []
     for name in names:
@@ -567,7 +567,6 @@ def test_framework_overhead_is_hidden_by_gpu_kernels_at_scale() -> None:
 
 def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
     from shardwise.planner import calibrate as cal
-    from shardwise.planner.measured import relative_error
 
     cases = synthetic_cases(BENCH_LAYOUTS)
     assert len(cal.free_overheads(cases, CostParams())) == len(OVERHEAD_FIELDS)
@@ -578,7 +577,7 @@ def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
     assert abs(fitted.overlap - TRUTH.overlap) <= 0.15  # weakly identified: little comm exposed
     for name in OVERHEAD_FIELDS:
         assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=0.1, abs=1e-4), name
-    errors = [relative_error(predict(r.layout, m, c, r.batch, fitted).step_time_s, r.step_time_s)
+    errors = [cal._err(predict(r.layout, m, c, r.batch, fitted).step_time_s, r.step_time_s)
               for r, m, c in cases]
     assert max(map(abs, errors)) < 0.01
     assert elapsed < 5.0
@@ -606,7 +605,6 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
     prediction is that of `fit` on the others, and does not move when its own measurement
     does; in-sample it does."""
     from shardwise.planner import calibrate as cal
-    from shardwise.planner.measured import mean_abs, relative_error
 
     names = ["single", "ddp2", "zero2-2", "zero3-2", "tp2", "pp2-1f1b", "ddp4"]
     cases = synthetic_cases(names, repeats=2)
@@ -628,8 +626,8 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
     assert predict(r.layout, m, c, r.batch, inside).step_time_s > 1.5 * predict(
         r.layout, m, c, r.batch, cal.fit(cases, CostParams())).step_time_s
     # errors: LOO is honest, never better than in-sample here
-    loo_err = mean_abs(loo2.errors(doubled))
-    in_err = mean_abs([relative_error(predict(x.layout, mm, cc, x.batch, inside).step_time_s,
+    loo_err = cal.mean_abs(loo2.errors(doubled))
+    in_err = cal.mean_abs([cal._err(predict(x.layout, mm, cc, x.batch, inside).step_time_s,
                                     x.step_time_s) for x, mm, cc in doubled])
     assert loo_err > in_err
     assert cal.leave_one_out(synthetic_cases(["ddp2"], repeats=2), CostParams()) is None
@@ -648,7 +646,7 @@ def test_spearman_over_configurations() -> None:
 
 
 def test_overhead_params_are_validated(tmp_path: Path) -> None:
-    from shardwise.planner.params_file import load_params
+    from shardwise.planner.calibrate import load_params
 
     path = tmp_path / "p.toml"
     path.write_text("[cost_params]\ntp_op_overhead_s = -1e-3\n")

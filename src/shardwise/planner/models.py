@@ -224,7 +224,7 @@ def _gpt_default() -> ModelDims:
     `shardwise.models.gpt.GPTConfig.from_spec`: 8/3 x d_model rounded up to 64; a test checks
     the result against `describe_model`'s build on the meta device)."""
     from shardwise.spec.model import GptFields
-    from shardwise.spec.training import BatchSection, DataSection
+    from shardwise.spec.runspec import BatchSection, DataSection
 
     m, d = GptFields(), DataSection()
     ffn = m.ffn_hidden or (int(8 * m.d_model / 3) + 63) // 64 * 64
