@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from shardwise.models import build_model
 from shardwise.models.plan import plan_of
 from shardwise.parallel.context import apply_context_parallel
-from shardwise.spec.runspec import ModelSection
+from shardwise.spec.model import ModelSection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the rank harness: tests/support
 from tests.support.ranks import run_ranks

@@ -26,7 +26,7 @@ from shardwise.data import check_vocab_fits, prepare_data, resolve_tokenizer
 from shardwise.data.corpus import load_text_corpus
 from shardwise.data.ledger import audit
 from shardwise.errors import SpecError, UserError
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 from tests.support.cli import assert_user_error, write_toml
 from tests.support.compare import assert_model_close
 from tests.support.ranks import run_ranks

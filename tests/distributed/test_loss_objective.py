@@ -22,8 +22,8 @@ from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.execution import ParallelModel
 from shardwise.parallel.parallelize import apply_ddp
 from shardwise.run.step import real_targets
+from shardwise.spec.layout import ParallelSection
 from shardwise.spec.model import ModelSection
-from shardwise.spec.runspec import ParallelSection
 from tests.support.ranks import run_ranks
 
 VOCAB, SEQ = 64, 16

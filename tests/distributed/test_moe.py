@@ -135,9 +135,9 @@ def test_plan_declares_experts_and_active_flops():
     assert plan.experts == "layers.*.feed_forward.experts"
     assert plan.shape.experts == 4 and plan.shape.ffn == 24
     assert plan.shape.top_k == 2 and plan.shape.shared_experts == 1
-    from shardwise.planner.models import from_shape  # the planner plans what the model routes
+    from shardwise.planner.models import ModelDims  # the planner plans what the model routes
 
-    dims = from_shape(plan.shape, "moe")
+    dims = ModelDims.from_shape(plan.shape, "moe")
     assert (dims.experts, dims.top_k, dims.shared_experts, dims.expert_ffn) == (4, 2, 1, 24)
     assert dims.note == ""  # nothing assumed
     assert {p: s for p, s in plan.tp.items() if "feed_forward" in p} == {

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from shardwise.parallel.distributed import init_distributed, shutdown
 from shardwise.parallel.tensor_parallel import _local
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 from tests.support.ranks import run_ranks
 
 

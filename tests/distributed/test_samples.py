@@ -23,7 +23,7 @@ from shardwise.data import SampleData
 from shardwise.data.prepare import prepare_data
 from shardwise.data.samples import CollatedSamples, class_prior_loss, fingerprint, stack_pairs
 from shardwise.errors import SpecError, UserError
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 from tests.support.compare import assert_model_close, state_sha256
 from tests.support.ranks import run_ranks
 from tests.support.specs import ASSETS, grid, tiny_spec
@@ -99,7 +99,6 @@ def test_the_step_counts_real_targets_of_padded_samples(tmp_path):
     assert evals[-1]["eval_tokens"] == min(val_targets, evals[-1]["eval_tokens"])
 
 
-@pytest.mark.grid  # 25 s of training to beat chance
 def test_digits_example_trains_under_zero3_and_beats_chance(tmp_path):
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (the dev "
                         "extra installs it)")

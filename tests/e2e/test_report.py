@@ -25,7 +25,9 @@ from PIL import Image
 
 from shardwise.cli.main import main
 from shardwise.report import load_run
-from shardwise.report.plots import COMPARE_PLOTS, DPI, RUN_PLOTS, WIDTH_IN, plot_id
+from shardwise.report.canvas import DPI, WIDTH_IN, plot_id
+from shardwise.report.curves import COMPARE_PLOTS
+from shardwise.report.plots import RUN_PLOTS
 from shardwise.spec import spec_from_dict, spec_to_toml
 from tests.support.specs import tiny_spec_dict
 
@@ -233,7 +235,6 @@ def test_old_or_crashed_run_omits_plots_with_reasons(tmp_path, capsys):
     assert page.rows["mean MFU"] == ["—"] and page.rows["goodput"] == ["—"]
 
 
-@pytest.mark.grid  # 14 s; the real two-rank report stays in the default run
 def test_two_runs_overlay_and_out_dir(tmp_path, capsys):
     a = write_run(tmp_path / "ddp", synthetic_events("ddp-4"))
     b = write_run(tmp_path / "tp", synthetic_events("tp2+dp2", loss_shift=0.05))

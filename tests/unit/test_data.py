@@ -7,7 +7,7 @@ import pytest
 
 from shardwise.data import prepare_data
 from shardwise.errors import UserError
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 
 
 def test_folder_of_text_files(small_corpus, tmp_path):

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.plan import plan_of
 from shardwise.parallel.memory import apply_activation_checkpointing
-from shardwise.spec.runspec import MemorySection
+from shardwise.spec.layout import MemorySection
 from shardwise.telemetry import peak as peak_mod
 from shardwise.telemetry.flops import recomputed_blocks, utilization
 from shardwise.telemetry.peak import cpu_peak, gpu_peak, resolve_peak

@@ -11,7 +11,7 @@ import torch
 
 from shardwise.parallel.distributed import CUBLAS_DETERMINISTIC, init_distributed, shutdown
 from shardwise.parallel.precision import configure_kernels
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 
 
 @pytest.fixture

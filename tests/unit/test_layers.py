@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"planner", "report", "compare"},
     {"telemetry"},
     {"spec"},
-    {"errors", "meta", "compat", "utils"},
+    {"errors", "meta", "compat", "utils", "shape"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

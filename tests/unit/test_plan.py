@@ -22,9 +22,10 @@ from shardwise.planner.bubble import bubble_slots, in_flight, layer_split, rank_
 from shardwise.planner.cluster import PRESETS as CLUSTERS
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, predict, predict_memory
+from shardwise.planner.hf_config import dims_from_hf_config
 from shardwise.planner.layout import Batch, Layout, layout_problem
 from shardwise.planner.memory import layer_activation, rank_params
-from shardwise.planner.models import ModelDims, from_hf_config, from_shape, preset
+from shardwise.planner.models import ModelDims, preset
 from shardwise.planner.search import SearchSpace, any_fits, search, smallest_cluster
 from shardwise.spec import load_spec
 from shardwise.spec.cluster import (
@@ -124,7 +125,7 @@ def test_gpt_default_preset_matches_the_built_model() -> None:
     # telemetry.flops' formula, through the planner's per-block counts
     assert dims.flop_counts(spec.data.seq_len).per_token() == pytest.approx(
         plan.flop_counts.per_token())
-    shaped = from_shape(plan.shape, "gpt", tied=True)
+    shaped = ModelDims.from_shape(plan.shape, "gpt", tied=True)
     assert shaped.params == dims.params and shaped.param_scale == pytest.approx(1.0)
 
 
@@ -140,15 +141,15 @@ LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
 
 
 def test_hugging_face_configs(tmp_path: Path) -> None:
-    llama = from_hf_config(_hf(tmp_path, **LLAMA3_8B))
+    llama = dims_from_hf_config(_hf(tmp_path, **LLAMA3_8B))
     assert llama.params == preset("llama3-8b").params and llama.seq_len == 8192
-    mixtral = from_hf_config(_hf(tmp_path, num_hidden_layers=32, hidden_size=4096,
+    mixtral = dims_from_hf_config(_hf(tmp_path, num_hidden_layers=32, hidden_size=4096,
                                  num_attention_heads=32, num_key_value_heads=8,
                                  intermediate_size=14336, vocab_size=32000, num_local_experts=8,
                                  num_experts_per_tok=2, tie_word_embeddings=False))
     assert mixtral.params == pytest.approx(46.7e9, rel=5e-3)
     assert mixtral.active_params == pytest.approx(12.9e9, rel=0.01)
-    ds = from_hf_config(_hf(tmp_path, num_hidden_layers=61, hidden_size=7168,
+    ds = dims_from_hf_config(_hf(tmp_path, num_hidden_layers=61, hidden_size=7168,
                             num_attention_heads=128, num_key_value_heads=128,
                             intermediate_size=18432, moe_intermediate_size=2048,
                             n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
@@ -168,7 +169,7 @@ def test_malformed_hugging_face_configs_name_the_key(tmp_path: Path, change, wor
     config = {**LLAMA3_8B, **change}
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(SpecError) as err:
-        from_hf_config(_hf(tmp_path, **config))
+        dims_from_hf_config(_hf(tmp_path, **config))
     for word in words:
         assert word in str(err.value)
 
@@ -348,9 +349,9 @@ def test_memory_is_monotone_in_tp(model, batch, shard, zero, recompute, mb) -> N
 
 
 def test_opaque_models_plan_data_parallel_only() -> None:
-    from shardwise.models.plan import ModelShape
+    from shardwise.shape import ModelShape
 
-    dims = from_shape(ModelShape(params=10_000_000), "cnn")
+    dims = ModelDims.from_shape(ModelShape(params=10_000_000), "cnn")
     result = search(dims, resolve_cluster("dgx-h100", nodes=2), Batch(256, 1))
     assert result.feasible
     assert all(p.layout.tp == p.layout.pp == 1 and p.layout.recompute == "none"
@@ -498,7 +499,7 @@ def synthetic_cases(names, truth: CostParams = TRUTH, scale: dict[str, float] | 
     (times `scale[name]` where given)."""
     from types import SimpleNamespace
 
-    from shardwise.planner.calibrate import RunRecord
+    from shardwise.planner.measured import RunRecord
 
     cases = []
     for name in names:
@@ -567,6 +568,7 @@ def test_framework_overhead_is_hidden_by_gpu_kernels_at_scale() -> None:
 
 def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
     from shardwise.planner import calibrate as cal
+    from shardwise.planner.measured import relative_error
 
     cases = synthetic_cases(BENCH_LAYOUTS)
     assert len(cal.free_overheads(cases, CostParams())) == len(OVERHEAD_FIELDS)
@@ -577,7 +579,7 @@ def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
     assert abs(fitted.overlap - TRUTH.overlap) <= 0.15  # weakly identified: little comm exposed
     for name in OVERHEAD_FIELDS:
         assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=0.1, abs=1e-4), name
-    errors = [cal._err(predict(r.layout, m, c, r.batch, fitted).step_time_s, r.step_time_s)
+    errors = [relative_error(predict(r.layout, m, c, r.batch, fitted).step_time_s, r.step_time_s)
               for r, m, c in cases]
     assert max(map(abs, errors)) < 0.01
     assert elapsed < 5.0
@@ -605,6 +607,7 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
     prediction is that of `fit` on the others, and does not move when its own measurement
     does; in-sample it does."""
     from shardwise.planner import calibrate as cal
+    from shardwise.planner.measured import mean_abs, relative_error
 
     names = ["single", "ddp2", "zero2-2", "zero3-2", "tp2", "pp2-1f1b", "ddp4"]
     cases = synthetic_cases(names, repeats=2)
@@ -626,8 +629,8 @@ def test_leave_one_out_predicts_each_configuration_without_it() -> None:
     assert predict(r.layout, m, c, r.batch, inside).step_time_s > 1.5 * predict(
         r.layout, m, c, r.batch, cal.fit(cases, CostParams())).step_time_s
     # errors: LOO is honest, never better than in-sample here
-    loo_err = cal.mean_abs(loo2.errors(doubled))
-    in_err = cal.mean_abs([cal._err(predict(x.layout, mm, cc, x.batch, inside).step_time_s,
+    loo_err = mean_abs(loo2.errors(doubled))
+    in_err = mean_abs([relative_error(predict(x.layout, mm, cc, x.batch, inside).step_time_s,
                                     x.step_time_s) for x, mm, cc in doubled])
     assert loo_err > in_err
     assert cal.leave_one_out(synthetic_cases(["ddp2"], repeats=2), CostParams()) is None
@@ -646,7 +649,7 @@ def test_spearman_over_configurations() -> None:
 
 
 def test_overhead_params_are_validated(tmp_path: Path) -> None:
-    from shardwise.planner.calibrate import load_params
+    from shardwise.planner.params_file import load_params
 
     path = tmp_path / "p.toml"
     path.write_text("[cost_params]\ntp_op_overhead_s = -1e-3\n")

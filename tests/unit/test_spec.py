@@ -565,7 +565,7 @@ def test_torch_floor_and_version_gated_features():
 def test_backend_must_fit_the_resolved_device():
     from shardwise.errors import SpecError
     from shardwise.parallel.devices import resolve_backend
-    from shardwise.spec.runspec import ParallelSection
+    from shardwise.spec.layout import ParallelSection
 
     assert resolve_backend(ParallelSection(), "cpu") == "gloo"
     with pytest.raises(SpecError, match="NCCL runs collectives on GPUs only"):

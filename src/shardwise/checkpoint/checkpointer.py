@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardwise.checkpoint import discovery, ownership, volume
+from shardwise.checkpoint import chain, discovery, ownership, registry, volume
 from shardwise.checkpoint.integrity import Verdict, hash_files, sizes_match
 from shardwise.checkpoint.layout import META, rng_file, step_dir_name, step_of
 from shardwise.checkpoint.location import Location, StorageSpec
@@ -177,6 +177,7 @@ class Checkpointer:
         self._run_dir = Path(".")
         self._owner_written = False
         self._lock: ownership.FileLock | ownership.LeaseLock | None = None
+        self._head: chain.Head | None = None  # what the next save descends from (rank 0)
         # A gloo group of its own (collective to create: every rank builds its Checkpointer at the
         # same point): background save collectives never interleave with training ones.
         self.group: dist.ProcessGroup | None = None
@@ -335,13 +336,16 @@ class Checkpointer:
             record = pending.record
             if self.rank == 0:
                 meta = {**meta, "step": record.step,
-                        "save_seconds": round(time.perf_counter() - t0, 4), "files": files}
+                        "save_seconds": round(time.perf_counter() - t0, 4), "files": files,
+                        chain.KEY: chain.next_link(self._head, record.step)}
                 if self.run_id is not None:
                     meta["run_id"] = self.run_id
                     if not self._owner_written:  # the first save makes the location this run's
                         ownership.write_owner(self.root, self.run_id, self._run_dir)
                         self._owner_written = True
-                self.storage.commit(staging, final, json.dumps(meta, indent=2, sort_keys=True))
+                meta_text = json.dumps(meta, indent=2, sort_keys=True)
+                self.storage.commit(staging, final, meta_text)
+                self._head = chain.Head.of(meta_text)
                 self._prune(record.step)
             self._barrier()
             record.bytes = sum(int(f["size"]) for f in files.values())
@@ -393,14 +397,15 @@ class Checkpointer:
         return self._pending is not None
 
     def _prune(self, newest: int) -> None:
-        """Retention: keep the last `keep_last` committed checkpoints and every `keep_every`-th
-        step. Only committed ones count and go (an uncommitted save is not a checkpoint: counting
-        it would push a valid one out); the location is this run's (`claim`)."""
+        """Retention: keep the last `keep_last` committed checkpoints, every `keep_every`-th step
+        and every registered one (`checkpoint.registry`). Only committed ones count and go (an
+        uncommitted save is not a checkpoint: counting it would push a valid one out); the
+        location is this run's (`claim`)."""
         if self.keep_last <= 0:
             return
         steps = sorted(step for p in ownership.committed(self.storage.step_dirs())
                        if (step := step_of(p)) is not None)
-        keep = set(steps[-self.keep_last:]) | {newest}
+        keep = set(steps[-self.keep_last:]) | {newest} | registry.protected_steps(self.root)
         for step in steps:
             if step not in keep and not (self.keep_every and step % self.keep_every == 0):
                 self.storage.remove(self.root / step_dir_name(step))
@@ -437,6 +442,7 @@ class Checkpointer:
         except FileNotFoundError:
             raise UserError(f"{path} is not a complete checkpoint (no {META}); it may be a "
                             "save that was interrupted. Resume from an earlier checkpoint.") from None
+        self._head = chain.Head.of(meta_text)  # the next save descends from this checkpoint
         state = {name: _wrap(obj) for name, obj in components.items()}
         with _quiet_single_process(self.distributed):
             dcp.load(state, storage_reader=self.storage.reader(path),

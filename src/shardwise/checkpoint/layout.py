@@ -14,6 +14,8 @@ saved step, `step-NNNNNN` (six digits or more, so names sort numerically only wh
     location.json                 where the checkpoints are when not here (an S3 prefix)
     owner.json                    the run this location belongs to (written by its first save)
     .lock / lock.json             held by the launch saving here (flock on disk; a lease on S3)
+    registry.json                 the checkpoints registered by name (kept by every retention)
+    abandoned/branch-.../step-N/  a line left behind by `train --resume --from` (never loaded)
 
 Torch-free: the CLI and the planner read these names without importing torch.
 """
@@ -31,6 +33,8 @@ LOCK = ".lock"  # ROOT/.lock: flock'd by the launch that saves there (disk)
 LEASE = "lock.json"  # ROOT/lock.json: the same, as a renewed lease (object storage)
 STAGING = ".staging"  # suffix of a save that is not committed yet
 REPLACED = ".replaced"  # the old step-N while a re-save without renameat2 swaps in the new one
+REGISTRY = "registry.json"  # ROOT/registry.json: named checkpoints (checkpoint.registry)
+ABANDONED = "abandoned"  # ROOT/abandoned/: checkpoints newer than a branch point, moved aside
 RNG_DIR = "rng"
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 

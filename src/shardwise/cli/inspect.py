@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="a run directory or a checkpoint directory")
     p.add_argument("other", nargs="?", help="a second run or checkpoint to compare against")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--verify-chain", action="store_true",
+                   help="check the hash chain of the run's checkpoints (each meta.json records "
+                        "the digest of the one before) and every file; name the first broken link")
     p.set_defaults(handler=run)
 
 
@@ -59,6 +62,8 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.verify_chain:
+        return verify_chain(args.path, args.other)
     first = load_manifest(args.path)
     if args.other:
         changes = diff(first, load_manifest(args.other))
@@ -116,3 +121,33 @@ def _readable(m: dict[str, Any]) -> str:
     else:
         lines.append("lineage        fresh run (not resumed)")
     return "\n".join(lines)
+
+
+def verify_chain(path_text: str, other: str | None) -> int:
+    """`inspect --verify-chain RUN_DIR`: 0 when every link holds, 1 at the first broken one."""
+    from shardwise.checkpoint import chain, registry
+    from shardwise.checkpoint.discovery import run_checkpoints
+
+    run_dir = Path(path_text).expanduser()
+    if other is not None or not (run_dir / "checkpoints").is_dir():
+        raise UserError(f"--verify-chain takes one run directory (runs/NAME, with checkpoints/ "
+                        f"in it); got {path_text}{' and ' + other if other else ''}.")
+    storage = run_checkpoints(run_dir)
+    storage.recover()
+    report = chain.verify(storage.root, storage.step_dirs())
+    for line in report.lines:
+        print(line)
+    for entry in registry.read(storage.root):  # a registered digest vouches for its checkpoint
+        meta = storage.root / entry.checkpoint / "meta.json"
+        found = chain.digest(meta.read_text()) if meta.exists() else None
+        if found != entry.meta_sha256 and report.broken is None:
+            report.broken = (f"{entry.checkpoint}: registered as {entry.name!r} with meta.json "
+                             f"{entry.meta_sha256[:16]}…, now "
+                             f"{'missing' if found is None else found[:16] + '…'}")
+    if report.broken is not None:
+        print(f"chain: BROKEN at {report.broken}")
+        return 1
+    head = f"; newest meta.json sha256 {report.head_sha256}" if report.head_sha256 else ""
+    print(f"chain: OK ({report.links} link{'s' if report.links != 1 else ''} checked; "
+          f"{report.stop}){head}")
+    return 0

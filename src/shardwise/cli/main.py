@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         inspect,
         launch,
         plan,
+        register,
         report,
         scale,
         status,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     scale.add_parser(sub)
     audit.add_parser(sub)
+    register.add_parser(sub)
     return parser
 
 

@@ -210,8 +210,8 @@ def validate(args: argparse.Namespace, params) -> int:
 
 
 def _params(args: argparse.Namespace):
-    from shardwise.planner.calibrate import load_params
     from shardwise.planner.cost import DEFAULT_PARAMS
+    from shardwise.planner.params_file import load_params
 
     return load_params(args.params) if args.params else DEFAULT_PARAMS
 
@@ -223,27 +223,26 @@ def calibrate(args: argparse.Namespace, params) -> int:
     import json
 
     from shardwise.planner import calibrate as cal
+    from shardwise.planner import measured, params_file
     from shardwise.planner.cluster import cpu_local, resolve_cluster
 
-    runs = [cal.read_run(path) for path in args.calibrate]  # every directory checked first
+    runs = [measured.read_run(path) for path in args.calibrate]  # every directory checked first
     base = resolve_cluster(args.cluster or "cpu-local", args.nodes)
     cases = []
     for run in runs:
         dims, _ = _from_runspec(run.path / "spec.toml")
-        cases.append((run, dims, cal.cluster_for(base, run.world, cpu_local)))
-    before = [cal.evaluate(r, m, c, params) for r, m, c in cases]
+        cases.append((run, dims, measured.cluster_for(base, run.world, cpu_local)))
+    before = [measured.evaluate(r, m, c, params) for r, m, c in cases]
     predictions = cal.PredictionCache(cases)
     fitted = cal.fit(cases, params, predictions)
-    after = [cal.evaluate(r, m, c, fitted) for r, m, c in cases]
+    after = [measured.evaluate(r, m, c, fitted) for r, m, c in cases]
     loo = cal.leave_one_out(cases, params, predictions)
     loo_err = loo.errors(cases) if loo else [None] * len(cases)
-    mape = {
-        "model_state": cal.mean_abs([e.model_state_error for e in before]),
-        "peak": cal.mean_abs([e.peak_error for e in before]),
-    }
-    step = {"before": cal.mean_abs([e.step_time_error for e in before]),
-            "after": cal.mean_abs([e.step_time_error for e in after]),
-            "loo": cal.mean_abs(loo_err) if loo else None}
+    mape = {"model_state": measured.mean_abs([e.model_state_error for e in before]),
+            "peak": measured.mean_abs([e.peak_error for e in before])}
+    step = {"before": measured.mean_abs([e.step_time_error for e in before]),
+            "after": measured.mean_abs([e.step_time_error for e in after]),
+            "loo": measured.mean_abs(loo_err) if loo else None}
     rho = {"before": cal.config_spearman(cases, [e.step_time_pred for e in before]),
            "after": cal.config_spearman(cases, [e.step_time_pred for e in after]),
            "loo": cal.config_spearman(cases, loo.step_time_pred) if loo else None,
@@ -257,7 +256,7 @@ def calibrate(args: argparse.Namespace, params) -> int:
                   *(f"  {r.path}" for r in runs)]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(cal.params_to_toml(fitted, header), encoding="utf-8")
+            path.write_text(params_file.params_to_toml(fitted, header), encoding="utf-8")
         except OSError as err:
             raise UserError(f"--write-params {path}: cannot write it ({err}). Pick a writable "
                             "path.") from None
@@ -365,13 +364,14 @@ def _global_batch(args: argparse.Namespace, model, base, seq: int) -> int:
 def resolve_model(name: str):
     """(ModelDims, the RunSpec it came from or None) for a preset, a RunSpec .toml or a
     Hugging Face config.json."""
-    from shardwise.planner.models import PRESETS, from_hf_config, preset
+    from shardwise.planner.hf_config import dims_from_hf_config
+    from shardwise.planner.models import PRESETS, preset
 
     if name in PRESETS:
         return preset(name), None
     path = Path(name).expanduser()
     if name.endswith(".json") or (path.is_dir() and (path / "config.json").is_file()):
-        return from_hf_config(path / "config.json" if path.is_dir() else path), None
+        return dims_from_hf_config(path / "config.json" if path.is_dir() else path), None
     if name.endswith(".toml"):
         return _from_runspec(path)
     if path.exists():
@@ -384,16 +384,16 @@ def _from_runspec(path: Path):
     import dataclasses
 
     from shardwise.models.registry import describe_model
-    from shardwise.planner.models import from_shape
+    from shardwise.planner.models import ModelDims
     from shardwise.spec import load_spec
 
     spec = load_spec(path)
     vocab = 0 if spec.data.is_samples else spec.data.vocab_size
     plan = describe_model(spec.model, vocab_size=vocab, seq_len=spec.data.seq_len)
     family = spec.model.family
-    dims = from_shape(plan.shape, name=family if family != "gpt" else f"gpt ({path.name})",
-                      tied=bool(plan.tied), supports_tp=plan.supports_tp,
-                      supports_pp=plan.supports_pp, default_global_batch=spec.batch.global_batch)
+    dims = ModelDims.from_shape(plan.shape, family if family != "gpt" else f"gpt ({path.name})",
+                                tied=bool(plan.tied), supports_tp=plan.supports_tp,
+                                supports_pp=plan.supports_pp, default_global_batch=spec.batch.global_batch)
     if not plan.blocks and not dims.opaque:  # nothing to cut or to recompute
         dims = dataclasses.replace(dims, supports_pp=False, supports_recompute=False)
     return dataclasses.replace(dims, source=str(path)), spec

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="local worker processes (default: parallel.nproc; 0 = one per GPU, 2 on CPU)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--from", dest="branch_from", metavar="NAME|STEP",
+                   help="with --resume: continue from this registered (`shardwise register`) or "
+                        "older committed checkpoint; the newer ones are moved aside, never loaded")
     p.add_argument("--print-spec", action="store_true",
                    help="print the resolved spec as TOML and exit without training")
     p.add_argument("--print-placement", "--print-plan", dest="print_placement", action="store_true",
@@ -41,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"pass either a CONFIG ({args.config}) or --resume {args.resume}, not both: a resumed "
             "run keeps the spec saved in its run directory. Change fields of it with --set.")
+    if args.branch_from is not None and not args.resume:
+        raise UserError(
+            f"--from {args.branch_from} continues an existing run from one of its checkpoints: "
+            "give the run with it, `shardwise train --resume RUN_DIR --from "
+            f"{args.branch_from}`.")
     if args.nproc is not None:
         if args.nproc < 1:
             raise UserError(f"--nproc {args.nproc}: the number of workers must be at least 1.")
@@ -52,14 +60,21 @@ def run(args: argparse.Namespace) -> int:
         spec = load_spec(args.config, args.overrides)
 
     if under_launcher():  # torchrun started us: every rank runs this; the launcher owns the world
+        if args.branch_from is not None:
+            raise UserError(
+                f"--from {args.branch_from} moves checkpoints, which every torchrun worker would "
+                "do at once. Make the branch once outside torchrun (`shardwise train --resume "
+                f"{args.resume} --from {args.branch_from}`, with --set run.stop_at=N to train "
+                "only a little there), then start torchrun with --resume alone.")
         from shardwise.run.worker import run_under_torchrun
 
         run_under_torchrun(spec, args.resume)
         return 0
-    return _launch(spec, args.resume, args.print_spec, args.print_placement)
+    return _launch(spec, args.resume, args.print_spec, args.print_placement, args.branch_from)
 
 
-def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_placement: bool) -> int:
+def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_placement: bool,
+            branch_from: str | None = None) -> int:
     from shardwise.run.launch import Preempted, WorkersFailed, start_run
     from shardwise.run.preflight import placement_preview, preflight
     from shardwise.spec import spec_to_toml
@@ -69,7 +84,7 @@ def _launch(spec: RunSpec, resume: str | None, print_spec: bool, print_placement
         sys.stdout.write(spec_to_toml(spec) if print_spec else placement_preview(spec, dims))
         return 0
     try:
-        run_dir = start_run(spec, dims, resume)
+        run_dir = start_run(spec, dims, resume, branch_from)
     except Preempted as err:  # not an error: one line, exit code 75, resume later
         print(err, file=sys.stderr)
         return err.exit_code

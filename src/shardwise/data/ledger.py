@@ -3,14 +3,16 @@ that proves every sample of every step was used exactly once — restarts and re
 
 Files under RUN_DIR/ledger/:
 - `launches.jsonl`: one line per launch, `{"launch": n, "start_step": k, "world_size": w,
-  "dp": d, "global_batch": b}` (a rollback adds `"skipped": [a, b)`, samples never to train on);
+  "dp": d, "global_batch": b}` (a rollback adds `"skipped": [a, b)`, samples never to train on;
+  a launch that starts a branch, `train --resume --from`, adds `"branch": {"from_step": k, ...}`);
 - `rank-NNNNN.jsonl`: one line per step, written by one rank of each data-parallel replica (the
   rank at coordinate 0 of the tp, pp and cp axes: its peers read the same samples),
   `{"launch": n, "step": s, "dp_rank": r, "ranges": [[a, b)...]}`.
 
 A step s is owned by the newest launch that started before it (start_step < s): a launch that
 crashed after its checkpoint is superseded for the steps the next launch ran again, because those
-updates were thrown away with it.
+updates were thrown away with it. A branch is the same case: its launch starts at the branch
+point, so it owns every later step, and the abandoned line's records of them no longer count.
 """
 
 from __future__ import annotations
@@ -55,14 +57,18 @@ class LedgerWriter:
         self.launch = len(path.read_text().splitlines()) if path.exists() else 0
 
     def start_launch(self, start_step: int, world_size: int, dp: int, global_batch: int,
-                     skipped: tuple[int, int] | None = None) -> None:
+                     skipped: tuple[int, int] | None = None,
+                     branch: dict | None = None) -> None:
         """Rank 0 records the launch; `skipped` declares samples [a, b) deliberately never
-        trained on (a rollback past batches that made training diverge)."""
+        trained on (a rollback past batches that made training diverge); `branch` marks a launch
+        that continues from an older checkpoint than the run's newest (`run.branch`)."""
         if self.rank == 0:
             record = {"launch": self.launch, "start_step": start_step, "world_size": world_size,
                       "dp": dp, "global_batch": global_batch}
             if skipped is not None:
                 record["skipped"] = list(skipped)
+            if branch is not None:
+                record["branch"] = branch
             with (self.dir / LAUNCHES).open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 

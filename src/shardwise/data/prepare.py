@@ -23,6 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardwise.data.corpus import TextSource, is_token_file, load_text_corpus
+from shardwise.data.removal import check_not_removed
 from shardwise.data.sampler import PackedSequences
 from shardwise.data.samples import (
     CollatedSamples,
@@ -34,7 +35,7 @@ from shardwise.data.samples import (
 from shardwise.data.sources import detect_records, file_sha256
 from shardwise.data.tokenizer import EOS, load_or_train, load_tokenizer_file
 from shardwise.errors import UserError
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 from shardwise.utils.files import atomic_write, atomic_write_text, node_lock
 from shardwise.utils.files import cache_root as files_cache_root
 
@@ -138,6 +139,7 @@ def _tokenized(data: DataSection) -> tuple[np.ndarray, str, str, Path, int, int]
     hashes, the tokenizer file, the vocabulary size and the largest id."""
     source = open_text_source(data)
     content_hash = source.content_hash()
+    check_not_removed(cache_root(data), content_hash, data.source)  # a data-removal request
     cache = _writable(cache_root(data) / f"corpus-{content_hash[:16]}")
     if data.tokenizer:
         given = load_tokenizer_file(data.tokenizer)

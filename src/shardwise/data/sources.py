@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import UserError, show
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 from shardwise.utils.files import cached_sha256
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardwise.data.corpus import TextSource
 from shardwise.errors import UserError
-from shardwise.spec.runspec import DataSection
+from shardwise.spec.training import DataSection
 from shardwise.utils.files import atomic_write_text
 
 EOS = "<|endoftext|>"

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.models.plan import ModelPlan, ModelShape, Stages
+from shardwise.models.plan import ModelPlan, Stages
+from shardwise.shape import ModelShape
 from shardwise.spec.model import GptFields
 from shardwise.telemetry.flops import FlopCounts
 
@@ -38,18 +39,20 @@ class GPTConfig:
     @classmethod
     def from_fields(cls, model: GptFields, vocab_size: int, seq_len: int) -> GPTConfig:
         """The spec's [model] fields plus what the data decides (vocabulary, context)."""
-        ffn = model.ffn_hidden or _round_up(int(8 * model.d_model / 3), 64)
         return cls(vocab_size, seq_len, model.n_layers, model.d_model, model.n_heads,
-                   model.n_kv_heads, ffn, model.tie_embeddings, model.rope_theta, model.norm_eps,
-                   model.init_std)
+                   model.n_kv_heads, model.ffn_width, model.tie_embeddings, model.rope_theta,
+                   model.norm_eps, model.init_std)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
+    def shape(self, params: int) -> ModelShape:
+        """This config as the shape vocabulary (`shardwise.shape`), with the model's parameter
+        count (which depends on what is built: a pipeline stage holds some blocks only)."""
+        return ModelShape(params=params, layers=self.n_layers, hidden=self.d_model,
+                          heads=self.n_heads, kv_heads=self.n_kv_heads, ffn=self.ffn_hidden,
+                          vocab=self.vocab_size, seq_len=self.seq_len)
 
 
 class RMSNorm(nn.Module):
@@ -197,18 +200,15 @@ class GPT(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
+    def shape(self) -> ModelShape:
+        """The model's shape: its config's, with the parameters this module holds."""
+        return self.cfg.shape(params=self.num_params())
+
     def flop_counts(self) -> FlopCounts:
         """The facts `shardwise.telemetry.flops` computes FLOPs from (its docstring has the
-        definition). Uses the full model's config, so every pipeline stage reports the same."""
-        cfg = self.cfg
-        per_layer = (2 * cfg.d_model * cfg.n_heads * cfg.head_dim
-                     + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim
-                     + 3 * cfg.d_model * cfg.ffn_hidden)
-        return FlopCounts(n_layers=cfg.n_layers, layer_matmul_params=per_layer,
-                          head_matmul_params=cfg.d_model * cfg.vocab_size, n_heads=cfg.n_heads,
-                          head_dim=cfg.head_dim, seq_len=cfg.seq_len, causal=True,
-                          # recompute stops before w2: nothing saves its output for backward
-                          recompute_matmul_params=per_layer - cfg.d_model * cfg.ffn_hidden)
+        definition), from the shape. The layers, widths and vocabulary are the full model's
+        config, so every pipeline stage reports the same."""
+        return FlopCounts.of(self.shape())
 
     def flops_per_token(self, causal_halved: bool = False) -> float:
         """Training FLOPs per token: 6·N_matmul + 12·L·H·Q·T (PaLM appendix B).
@@ -225,11 +225,9 @@ class GPT(nn.Module):
         of the SwiGLU MLP; vocabulary-parallel embedding and output; the norms between blocks
         sequence-parallel; a pipeline stage is cut between blocks (embedding first, final norm
         and output last)."""
-        cfg = self.cfg
+        shape = self.shape()
         return ModelPlan(
-            shape=ModelShape(params=self.num_params(), layers=cfg.n_layers, hidden=cfg.d_model,
-                             heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_hidden,
-                             vocab=cfg.vocab_size, seq_len=cfg.seq_len),
+            shape=shape,
             blocks="layers",
             tp={"tok_embeddings": "embedding",
                 "layers.*.attention_norm": "sequence",
@@ -247,5 +245,5 @@ class GPT(nn.Module):
             stages=Stages(first=("tok_embeddings",), last=("norm", "output")),
             attention="layers.*.attention",
             positions="positions",
-            flop_counts=self.flop_counts(),
+            flop_counts=FlopCounts.of(shape),
         )

@@ -43,8 +43,8 @@ from shardwise.models.gpt import (
     TransformerBlock,
 )
 from shardwise.models.plan import ModelPlan
+from shardwise.shape import ModelShape
 from shardwise.spec.model import MoeGptFields
-from shardwise.telemetry.flops import FlopCounts
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,12 @@ class MoEConfig:
                    model.moe_shared_expert, model.moe_balance, model.moe_aux_coef,
                    model.moe_bias_rate,
                    model.moe_capacity_factor if model.moe_routing == "capacity" else 0.0)
+
+    def shape(self, params: int) -> ModelShape:
+        """The GPT's shape with this feed-forward: `ffn` is one expert's width."""
+        return dataclasses.replace(self.gpt.shape(params), ffn=self.expert_hidden,
+                                   experts=self.experts, top_k=self.top_k,
+                                   shared_experts=int(self.shared_expert))
 
 
 class GroupedExperts(nn.Module):
@@ -259,31 +265,20 @@ class MoEGPT(GPT):
             else:
                 p.normal_(0.0, std)
 
-    def flop_counts(self) -> FlopCounts:
-        """Active weights per token: attention, the router, k experts and the shared one."""
-        g, m = self.cfg, self.moe
-        attention = 2 * g.d_model * g.n_heads * g.head_dim + 2 * g.d_model * g.n_kv_heads * g.head_dim
-        active = m.top_k + int(m.shared_expert)
-        per_layer = attention + g.d_model * m.experts + 3 * g.d_model * m.expert_hidden * active
-        return FlopCounts(n_layers=g.n_layers, layer_matmul_params=per_layer,
-                          head_matmul_params=g.d_model * g.vocab_size, n_heads=g.n_heads,
-                          head_dim=g.head_dim, seq_len=g.seq_len, causal=True,
-                          recompute_matmul_params=per_layer - g.d_model * m.expert_hidden * active)
+    def shape(self) -> ModelShape:
+        """The GPT's shape with MoE blocks (`MoEConfig.shape`); `flop_counts` reads it, so FLOPs
+        count the active weights: attention, the router, k experts and the shared one."""
+        return self.moe.shape(params=self.num_params())
 
     def shardwise_plan(self) -> ModelPlan:
         """The GPT's plan for attention, norms, embedding and the pipeline cut; the experts of
         each block are `layers.N.feed_forward.experts` (expert parallel shards their dim 0).
         Under tensor parallel the MoE feed-forward is a `tokens` module (whole on every tp
         rank, routing every token of the micro-batch), not split."""
-        m = self.moe
         plan = super().shardwise_plan()
         tp = {p: s for p, s in plan.tp.items() if ".feed_forward." not in p}
         tp["layers.*.feed_forward"] = "tokens"
-        return dataclasses.replace(
-            plan, tp=tp, experts="layers.*.feed_forward.experts",
-            shape=dataclasses.replace(plan.shape, ffn=m.expert_hidden, experts=m.experts,
-                                      top_k=m.top_k, shared_experts=int(m.shared_expert)),
-            flop_counts=self.flop_counts())
+        return dataclasses.replace(plan, tp=tp, experts="layers.*.feed_forward.experts")
 
 
 def build_moe_gpt(model: MoeGptFields, vocab_size: int, seq_len: int) -> MoEGPT:

@@ -47,7 +47,8 @@
 - `loss`: None for next-token cross entropy on (logits, targets); or a function of (outputs,
   targets) returning the sum of the per-target losses over real targets (ignore index -100), so
   that shardwise divides once by the step's global count of real targets.
-- `shape`: the torch-free summary FLOPs, memory and the planner work from.
+- `shape`: the torch-free summary FLOPs, memory and the planner work from (`ModelShape`, defined
+  in `shardwise.shape` and importable from here: the one shape vocabulary, see there).
 
 A module with an attribute `sequence_shards` is told, under sequence parallel, by how many ways
 the hidden states between blocks are split along the sequence (a model that derives positions
@@ -65,6 +66,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardwise.shape import ModelShape
 from shardwise.utils.constants import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -76,24 +78,6 @@ __all__ = ["IGNORE_INDEX", "TP_STYLES", "LossFn", "ModelPlan", "ModelShape", "Pl
 TP_STYLES = ("colwise", "rowwise", "embedding", "output", "sequence", "full_input", "replicated",
              "tokens")
 _ATTR = "_shardwise_plan"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What FLOPs, memory estimates and layout checks need, without torch. Zero means "does not
-    apply" (a vision model has no heads, no vocabulary)."""
-
-    params: int
-    layers: int = 0
-    hidden: int = 0
-    heads: int = 0
-    kv_heads: int = 0
-    ffn: int = 0
-    vocab: int = 0
-    seq_len: int = 0
-    experts: int = 0  # routed experts per MoE layer (ffn is then one expert's width)
-    top_k: int = 0  # routed experts a token uses
-    shared_experts: int = 0  # experts every token uses
 
 
 @dataclass(frozen=True)

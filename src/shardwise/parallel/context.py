@@ -51,7 +51,7 @@ from torch import nn
 from shardwise.errors import SpecError
 from shardwise.models.plan import ModelPlan
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
-from shardwise.spec.runspec import CP_COMMS
+from shardwise.spec.layout import CP_COMMS
 
 __all__ = ["CP_COMMS", "CPGroup", "ContextParallel", "apply_context_parallel", "ring_attention",
            "zigzag_positions", "zigzag_shard", "zigzag_unshard"]

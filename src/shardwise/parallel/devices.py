@@ -19,7 +19,7 @@ import torch
 import torch.distributed
 
 from shardwise.errors import SpecError
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 
 #: local workers for nproc = 0 on a machine without a GPU
 CPU_DEFAULT_WORKERS = 2

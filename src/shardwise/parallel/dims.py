@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.errors import SpecError
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 
 #: Degrees that exist in the spec but whose parallelism has not landed yet.
 NOT_AVAILABLE_YET: dict[str, str] = {}

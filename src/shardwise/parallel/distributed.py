@@ -30,7 +30,7 @@ from shardwise.parallel.devices import (
 )
 from shardwise.parallel.dims import MESH_AXES, ParallelDims
 from shardwise.resilience.attempt import count_start, launch_attempt
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.models.plan import ModelPlan
-from shardwise.spec.runspec import MemorySection
+from shardwise.spec.layout import MemorySection
 
 
 def blocks_of(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:

@@ -40,7 +40,8 @@ from shardwise.parallel.pipeline import Pipeline, split_model, stage_ids, stage_
 from shardwise.parallel.strategies import InvariantStep, PipelineStep, PlainStep, StepStrategy
 from shardwise.parallel.tensor_parallel import apply_tensor_parallel
 from shardwise.parallel.tied import TiedAcrossStages
-from shardwise.spec.runspec import MemorySection, ParallelSection, RunSection
+from shardwise.spec.layout import MemorySection, ParallelSection
+from shardwise.spec.training import RunSection
 
 __all__ = ["ParallelModel", "local_bytes", "parallelize", "unwrap"]
 

@@ -14,7 +14,7 @@ import re
 import torch
 
 from shardwise.errors import SpecError
-from shardwise.spec.runspec import ParallelSection
+from shardwise.spec.layout import ParallelSection
 
 #: the lowest torch version shardwise is tested with (keep in step with pyproject.toml)
 TORCH_FLOOR = (2, 11)

@@ -14,10 +14,11 @@ source out), `published_report`, `fitted` (the fit, generated), `accuracy` (the 
 """
 
 from shardwise.planner.cost import CostParams, Prediction, predict, predict_memory
+from shardwise.planner.hf_config import dims_from_hf_config
 from shardwise.planner.layout import Batch, Layout, layout_problem
-from shardwise.planner.models import ModelDims, from_hf_config, from_shape
+from shardwise.planner.models import ModelDims
 from shardwise.planner.search import PlanResult, SearchSpace, search, smallest_cluster
 
 __all__ = ["Batch", "CostParams", "Layout", "ModelDims", "PlanResult", "Prediction", "SearchSpace",
-           "from_hf_config", "from_shape", "layout_problem", "predict", "predict_memory", "search",
+           "dims_from_hf_config", "layout_problem", "predict", "predict_memory", "search",
            "smallest_cluster"]

@@ -1,23 +1,6 @@
-"""Calibration: the planner's prediction of runs that happened, its error, and the `CostParams`
-that fit their step times. Imports no torch (the model's `ModelDims` come from the caller).
-
-A run directory holds `spec.toml` and `metrics.jsonl` (the `run_start`, `model_state`, `memory` and
-`step` events, docs/telemetry.md "Events"). What is compared:
-
-- **model state**: the rank with the most parameter + gradient + optimizer bytes
-  (`model_state` event: param_bytes, grad_bytes, optimizer_bytes) against
-  `MemoryBreakdown.model_state` of the rank the planner says holds the most.
-- **peak**: on a CPU run, the last step event's `peak_mem_bytes_per_rank` (the process's peak RSS,
-  VmHWM) minus that rank's `rss_before_model_bytes_per_rank` (the `memory` event): the
-  increment the model, its optimizer and its activations explain, against the prediction less
-  `CostParams.cpu_runtime_overhead_bytes` (what the process held before the model: not the
-  model's to explain). On a GPU run, the largest `peak_mem_bytes` of any step window
-  (`max_memory_allocated`) against the prediction less fragmentation and runtime overhead
-  (neither is allocated by tensors). A CPU run written before the baseline was recorded is
-  compared as a whole (peak RSS against the prediction with its overhead).
-- **step time**: the median of the step events' `step_time_s` (the slowest rank's median over
-  each log window) from step 2 on — the first step pays for lazy initialisation and DDP's
-  bucket rebuild — against `Prediction.step_time_s`.
+"""Calibration: the `CostParams` that fit the step times of runs that happened, and the error of
+that fit. Imports no torch. The runs themselves, read back and predicted, are
+`planner/measured.py`; the parameters' TOML file is `planner/params_file.py`.
 
 Fitting (`fit`): `efficiency`, `overlap` and the framework-overhead coefficients
 (`cost.OVERHEAD_FIELDS`: per FSDP unit, per FSDP gather, per TP linear, per ZeRO-1 tensor, per
@@ -49,223 +32,16 @@ median measured step time against its prediction.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from shardwise.errors import SpecError, UserError
-from shardwise.planner.cost import OVERHEAD_FIELDS, OVERLAPPABLE, CostParams, Prediction, predict
-from shardwise.planner.layout import Batch, Layout, batch_of, layout_of
+from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, predict
+from shardwise.planner.measured import RunRecord, relative_error
 from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import ClusterSpec
-from shardwise.spec.runspec import RunSpec
-
-PARAMS_TABLE = "cost_params"
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """What one run directory says about itself."""
-
-    path: Path
-    spec: RunSpec
-    world: int
-    device: str  # "cpu" | "cuda"
-    layout: Layout
-    batch: Batch
-    step_time_s: float  # median step time from step 2 on (see the module docstring)
-    steps_timed: int
-    model_state_bytes: float  # the rank with the most params + grads + optimizer state
-    peak_bytes: float | None  # CPU: peak RSS - RSS before the model; GPU: peak allocated
-    peak_is_increment: bool  # False: a CPU peak without a baseline (compared whole)
-    peak_bytes_per_rank: tuple[float, ...] = ()  # CPU: each rank's figure of `peak_bytes`
-
-
-@dataclass(frozen=True)
-class RunError:
-    """One run's prediction against its measurement (errors are (predicted - measured) /
-    measured)."""
-
-    run: RunRecord
-    prediction: Prediction
-    model_state_pred: float
-    peak_pred: float | None
-    step_time_pred: float
-
-    @property
-    def model_state_error(self) -> float:
-        return _err(self.model_state_pred, self.run.model_state_bytes)
-
-    @property
-    def peak_error(self) -> float | None:
-        if self.peak_pred is None or not self.run.peak_bytes:
-            return None
-        return _err(self.peak_pred, self.run.peak_bytes)
-
-    @property
-    def step_time_error(self) -> float:
-        return _err(self.step_time_pred, self.run.step_time_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        r = self.run
-        return {"run": str(r.path), "layout": r.layout.name(), "world": r.world,
-                "device": r.device, "micro_batch": r.layout.micro_batch,
-                "recompute": r.layout.recompute,
-                "model_state_bytes": {"predicted": self.model_state_pred,
-                                      "measured": r.model_state_bytes,
-                                      "error": self.model_state_error},
-                "peak_bytes": {"predicted": self.peak_pred, "measured": r.peak_bytes,
-                               "error": self.peak_error,
-                               "what": _peak_what(r)},
-                "step_time_s": {"predicted": self.step_time_pred, "measured": r.step_time_s,
-                                "error": self.step_time_error, "steps": r.steps_timed}}
-
-
-def _err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas if meas else math.inf
-
-
-def _peak_what(r: RunRecord) -> str:
-    if r.device == "cpu":
-        return ("peak RSS - RSS before the model" if r.peak_is_increment
-                else "peak RSS (no baseline recorded)")
-    return "peak allocated"
-
-
-# --- reading a run directory --------------------------------------------------------------------
-
-def _bad(path: Path, problem: str) -> UserError:
-    return UserError(
-        f"--calibrate {path}: {problem}. A run directory to calibrate on is one `shardwise train` "
-        "wrote: spec.toml and metrics.jsonl with a run_start event, the model_state event of the "
-        "first step and at least one step event (log.every no larger than the steps run). Pass "
-        "directories of finished runs.")
-
-
-def read_run(path: str | Path) -> RunRecord:
-    """A `RunRecord` from a run directory; a `UserError` naming what is missing otherwise."""
-    from shardwise.spec import load_spec
-
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise _bad(path, "no such directory")
-    spec_path, metrics_path = path / "spec.toml", path / "metrics.jsonl"
-    for needed in (spec_path, metrics_path):
-        if not needed.is_file():
-            raise _bad(path, f"there is no {needed.name}")
-    try:
-        spec = load_spec(spec_path)
-    except SpecError as err:
-        raise _bad(path, f"its spec.toml does not load ({err})") from None
-    start: dict[str, Any] | None = None
-    state: dict[str, Any] | None = None
-    memory: dict[str, Any] | None = None
-    steps: list[dict[str, Any]] = []
-    try:
-        lines = metrics_path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise _bad(path, f"metrics.jsonl is not readable ({err})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-        except ValueError:
-            if number == len(lines):  # a run killed while writing its last line
-                continue
-            raise _bad(path, f"metrics.jsonl line {number} is not JSON") from None
-        kind = event.get("kind") if isinstance(event, dict) else None
-        if kind == "run_start":
-            start = event  # the last launch's (a resumed run has several)
-        elif kind == "model_state" and state is None:
-            state = event
-        elif kind == "memory" and memory is None:
-            memory = event
-        elif kind == "step" and isinstance(event.get("step_time_s"), int | float):
-            steps.append(event)
-    if start is None:
-        raise _bad(path, "metrics.jsonl has no run_start event")
-    if state is None:
-        raise _bad(path, "metrics.jsonl has no model_state event (the run ended before its "
-                         "first step)")
-    if not steps:
-        raise _bad(path, "metrics.jsonl has no step event with a step_time_s")
-    try:
-        layout = _layout(spec, start)
-        rows = [state[f"{k}_per_rank"] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
-        model_state = float(max(sum(col) for col in zip(*rows, strict=True)))
-    except (KeyError, TypeError, ValueError) as err:
-        raise _bad(path, f"its run_start or model_state event lacks a field ({err})") from None
-    timed = [e for e in steps if e.get("step", 0) >= 2] or steps
-    device = str(start.get("device", "cpu"))
-    per_rank, increment = _peak(device, steps, memory)
-    batch = batch_of(spec)
-    return RunRecord(path=path, spec=spec, world=int(start["world_size"]), device=device,
-                     layout=layout, batch=batch,
-                     step_time_s=statistics.median(float(e["step_time_s"]) for e in timed),
-                     steps_timed=len(timed), model_state_bytes=model_state,
-                     peak_bytes=max(per_rank) if per_rank else None,
-                     peak_is_increment=increment, peak_bytes_per_rank=per_rank)
-
-
-def _layout(spec: RunSpec, start: dict[str, Any]) -> Layout:
-    """The planner's Layout of what ran: degrees and ZeRO stage as resolved at launch (run_start),
-    the rest from the spec."""
-    return layout_of(spec, dict(start["mesh"]), int(start["zero"]))
-
-
-def _peak(device: str, steps: list[dict[str, Any]],
-          memory: dict[str, Any] | None) -> tuple[tuple[float, ...], bool]:
-    """(the peak of each rank, or on CUDA the largest step peak alone; whether each is an
-    increment over the RSS before the model)."""
-    if device != "cpu":
-        peaks = [float(e["peak_mem_bytes"]) for e in steps
-                 if isinstance(e.get("peak_mem_bytes"), int | float)]
-        return ((max(peaks),) if peaks else ()), True
-    last = next((e for e in reversed(steps) if e.get("peak_mem_bytes_per_rank")), None)
-    if last is None:
-        return (), True
-    peaks = [float(v) for v in last["peak_mem_bytes_per_rank"]]
-    base = (memory or {}).get("rss_before_model_bytes_per_rank")
-    if not base or len(base) != len(peaks):
-        return tuple(peaks), False
-    return tuple(p - float(b) for p, b in zip(peaks, base, strict=True)), True
-
-
-# --- predicting and fitting ---------------------------------------------------------------------
-
-def cluster_for(cluster: ClusterSpec, world: int,
-                cpu_local: Callable[[int], ClusterSpec] | None = None) -> ClusterSpec:
-    """`cluster` resized to a run's world: `cpu-local` rebuilt for that many workers (they share
-    the cores); another cluster with world / devices_per_node nodes, or one node of `world`
-    devices when that does not divide."""
-    if cluster.world == world:
-        return cluster
-    if cluster.name == "cpu-local" and cpu_local is not None:
-        return cpu_local(world)
-    if world % cluster.devices_per_node == 0:
-        return cluster.with_nodes(world // cluster.devices_per_node)
-    return dataclasses.replace(cluster, cluster=dataclasses.replace(
-        cluster.cluster, nodes=1, devices_per_node=world))
-
-
-def evaluate(run: RunRecord, model: ModelDims, cluster: ClusterSpec,
-             params: CostParams) -> RunError:
-    pred = predict(run.layout, model, cluster, run.batch, params)
-    mem = pred.memory
-    if run.peak_bytes is None:
-        peak = None
-    elif run.device == "cpu":
-        peak = mem.total - (mem.overhead if run.peak_is_increment else 0.0)
-    else:
-        peak = mem.total - mem.overhead - mem.fragmentation
-    return RunError(run=run, prediction=pred, model_state_pred=mem.model_state, peak_pred=peak,
-                    step_time_pred=pred.step_time_s)
-
 
 EFFICIENCIES = tuple(0.005 * (1 / 0.005) ** (i / 63) for i in range(64))
 OVERLAPS = tuple(i / 20 for i in range(21))
@@ -510,7 +286,7 @@ class LeaveOneOut:
     params: tuple[CostParams, ...]  # the fit each case was predicted with
 
     def errors(self, cases: Sequence[Case]) -> list[float]:
-        return [_err(p, c[0].step_time_s)
+        return [relative_error(p, c[0].step_time_s)
                 for p, c in zip(self.step_time_pred, cases, strict=True)]
 
 
@@ -570,79 +346,3 @@ def config_spearman(cases: Sequence[Case], predicted: Sequence[float]) -> float 
     meas = [statistics.median(cases[i][0].step_time_s for i in g) for g in groups.values()]
     pred = [statistics.median(predicted[i] for i in g) for g in groups.values()]
     return spearman(pred, meas)
-
-
-def mean_abs(errors: Sequence[float | None]) -> float | None:
-    vals = [abs(e) for e in errors if e is not None and math.isfinite(e)]
-    return sum(vals) / len(vals) if vals else None
-
-
-# --- CostParams as TOML -------------------------------------------------------------------------
-
-def validate_params(params: CostParams, origin: str = "the cost parameters") -> CostParams:
-    """Refuse values the cost model cannot use, naming the field."""
-    def bad(name: str, want: str) -> SpecError:
-        return SpecError(f"{PARAMS_TABLE}.{name} = {getattr(params, name)!r} in {origin}: it must "
-                         f"be {want}.")
-
-    if not 0 < params.efficiency <= 1:
-        raise bad("efficiency", "in (0, 1]")
-    for name in ("overlap", "bandwidth_efficiency", "tp_overlap", "ep_overlap"):
-        value = getattr(params, name)
-        if not 0 <= value <= 1:
-            raise bad(name, "in [0, 1]")
-    if params.bandwidth_efficiency == 0:
-        raise bad("bandwidth_efficiency", "above 0")
-    for name in ("collective_latency_s", "fragmentation", "runtime_overhead_bytes",
-                 "logits_bytes", "cpu_runtime_overhead_bytes", "cpu_fragmentation",
-                 "cpu_zero1_retained_copies", "cpu_fsdp_retained_copies", *OVERHEAD_FIELDS):
-        value = getattr(params, name)
-        if not (value >= 0 and math.isfinite(value)):
-            raise bad(name, "a finite number of at least 0")
-    if params.residual_bytes not in (2, 4):
-        raise bad("residual_bytes", "2 (bf16) or 4 (fp32)")
-    if params.grad_bytes not in (2, 4):
-        raise bad("grad_bytes", "2 (fp16/bf16) or 4 (fp32)")
-    for name in ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
-                 "attention_efficiency_ampere", "attention_efficiency_hopper"):
-        if not 0 < getattr(params, name) <= 1:
-            raise bad(name, "in (0, 1]")
-    for name in ("gemm_k_half_ampere", "gemm_k_half_hopper"):
-        if not (getattr(params, name) >= 0 and math.isfinite(getattr(params, name))):
-            raise bad(name, "a finite number of at least 0")
-    unknown = [x for x in params.overlapped if x not in OVERLAPPABLE]
-    if unknown:
-        raise bad("overlapped", f"a list of {', '.join(OVERLAPPABLE)} (not {', '.join(unknown)})")
-    return params
-
-
-def params_to_toml(params: CostParams, header: Sequence[str] = ()) -> str:
-    from shardwise.spec.toml import toml_value as _toml_value
-
-    lines = [f"# {line}" for line in header]
-    lines.append(f"[{PARAMS_TABLE}]")
-    lines.extend(f"{f.name} = {_toml_value(getattr(params, f.name))}"
-                 for f in dataclasses.fields(CostParams))
-    return "\n".join(lines) + "\n"
-
-
-def load_params(path: str | Path) -> CostParams:
-    """CostParams from a TOML file with one `[cost_params]` table (as `--write-params` writes it;
-    keys left out keep their defaults)."""
-    from shardwise.spec.toml import build_table as _build_section
-    from shardwise.spec.toml import read_toml as _read_toml
-    from shardwise.spec.toml import suggest as _suggest
-
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise UserError(f"--params {path}: no such file. Pass a TOML file that `shardwise plan "
-                        "--calibrate RUN_DIR --write-params FILE` wrote.")
-    data = _read_toml(path)
-    unknown = [k for k in data if k != PARAMS_TABLE]
-    if unknown or not isinstance(data.get(PARAMS_TABLE, {}), dict):
-        name = unknown[0] if unknown else PARAMS_TABLE
-        raise SpecError(f"{path}: [{name}] is not a table of cost parameters."
-                        f"{_suggest(name, [PARAMS_TABLE])} The file holds one [{PARAMS_TABLE}] "
-                        "table (as --write-params writes it).")
-    params = _build_section(PARAMS_TABLE, CostParams, data.get(PARAMS_TABLE, {}), str(path))
-    return validate_params(params, str(path))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from shardwise.planner import comm
 from shardwise.planner.bubble import RankLoad, bubble_slots, flights, rank_groups
@@ -52,7 +51,7 @@ from shardwise.planner.kernels import (
 )
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.memory import MemoryBreakdown, compute_bytes, rank_memory
-from shardwise.planner.models import ModelDims, from_shape
+from shardwise.planner.models import ModelDims
 from shardwise.planner.overhead import overhead_counts
 from shardwise.planner.params import (
     DEFAULT_PARAMS,
@@ -62,16 +61,17 @@ from shardwise.planner.params import (
     CostParams,
 )
 from shardwise.planner.prediction import COMM_TERMS, TERMS, Prediction
+from shardwise.shape import ModelShape
 from shardwise.spec.cluster import ClusterSpec
 
 __all__ = ["COMM_TERMS", "DEFAULT_PARAMS", "FITTED_FIELDS", "OVERHEAD_FIELDS", "OVERLAPPABLE",
            "TERMS", "CostParams", "Prediction", "chip_for", "predict", "predict_memory"]
 
-def as_dims(model: Any) -> ModelDims:
-    """A ModelDims, or one made from a `ModelShape` (anything with its attributes)."""
+def as_dims(model: ModelDims | ModelShape) -> ModelDims:
+    """A ModelDims, or one made from a `ModelShape` (`ModelDims.from_shape`)."""
     if isinstance(model, ModelDims):
         return model
-    return from_shape(model, name=type(model).__name__)
+    return ModelDims.from_shape(model, name=type(model).__name__)
 
 
 def chip_for(cluster: ClusterSpec, batch: Batch, params: CostParams) -> Chip | None:
@@ -141,7 +141,7 @@ def _groups(lo: Layout, cluster: ClusterSpec, params: CostParams) -> tuple[dict[
                             cluster, params.bandwidth_efficiency, params.collective_latency_s)
 
 
-def predict(layout: Layout, model: Any, cluster: ClusterSpec, batch: Batch,
+def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec, batch: Batch,
             params: CostParams = DEFAULT_PARAMS) -> Prediction:
     """Memory, step time, tokens/s and MFU of `layout` (assumed valid: `layout.layout_problem`)."""
     model = as_dims(model)
@@ -355,7 +355,7 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
     return out, (dc.sync, window, overlapped and lo.pp > 1)
 
 
-def predict_memory(layout: Layout, model: Any, batch: Batch,
+def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
                    params: CostParams = DEFAULT_PARAMS,
                    device: str = "cuda") -> tuple[MemoryBreakdown, int]:
     """The memory of the rank with the most, and its rank: without any compute or comm

@@ -19,7 +19,7 @@ from typing import Any
 from shardwise.planner.cost import DEFAULT_PARAMS, CostParams, predict_memory
 from shardwise.planner.layout import Layout, batch_of, layout_of
 from shardwise.planner.memory import MemoryBreakdown
-from shardwise.planner.models import from_shape
+from shardwise.planner.models import ModelDims
 from shardwise.spec.cluster import GIB
 
 
@@ -54,8 +54,8 @@ def check_fit(spec: Any, degrees: Any, zero: int, shape: Any, tied: bool, device
               capacity_bytes: float, capacity_source: str,
               params: CostParams = DEFAULT_PARAMS) -> FitCheck:
     """The prediction for `spec` at these resolved degrees (a `ParallelDims`) of a model of this
-    `ModelShape` (read by attribute), against `capacity_bytes` per rank."""
-    model = from_shape(shape, name=spec.model.family, tied=tied)
+    `ModelShape` (`ModelDims.from_shape`), against `capacity_bytes` per rank."""
+    model = ModelDims.from_shape(shape, name=spec.model.family, tied=tied)
     layout = layout_of(spec, degrees, zero)
     memory, rank = predict_memory(layout, model, batch_of(spec), params, device)
     return FitCheck(layout=layout, memory=memory, rank=rank, capacity_bytes=capacity_bytes,

@@ -1,25 +1,25 @@
-"""What the planner knows of a model: `ModelDims`, from a preset, a model plan's `ModelShape`, or a
-Hugging Face `config.json` — no torch, no transformers.
+"""What the planner knows of a model: `ModelDims`, from a preset or from a model's `ModelShape`
+(`ModelDims.from_shape`) — no torch, no transformers; from a Hugging Face `config.json` it is
+`planner/hf_config.py`.
 
-A `ModelShape` (`shardwise.models.plan`) is the torch-free summary every model declares; the
+A `ModelShape` (`shardwise.shape`) is the one torch-free description every model declares; the
 planner widens it into `ModelDims` (adding what a shape does not say: tied embeddings, gated FFN,
-MoE routing) with `from_shape`. Parameter counts follow the architecture: per block the attention
+MoE routing). Parameter counts follow the architecture: per block the attention
 projections (q, k, v, o; grouped-query attention shares K/V heads), the FFN (SwiGLU: three
 hidden x ffn matrices), two norms; then the embedding, the output projection unless tied, and a
 final norm. MoE blocks hold `experts` routed experts of width `expert_ffn` (+ `shared_experts`
-always active) and a router; a token uses `top_k` routed experts.
+always active) and a router; a token uses `top_k` routed experts. `ModelDims.flop_counts` and
+`layer_flops` are its conversions to `telemetry.flops.FlopCounts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-from typing import Any
 
-from shardwise.errors import SpecError, show
+from shardwise.errors import SpecError
+from shardwise.shape import ModelShape
 from shardwise.spec.toml import suggest as _suggest
 from shardwise.telemetry.flops import FlopCounts
 
@@ -206,6 +206,36 @@ class ModelDims:
                           head_matmul_params=self.vocab * self.hidden + rest, n_heads=self.heads,
                           head_dim=self.hd, seq_len=seq_len, causal=True)
 
+    # --- from the shape vocabulary ------------------------------------------------------------
+    @classmethod
+    def from_shape(cls, shape: ModelShape, name: str, *, tied: bool = False,
+                   supports_tp: bool = True, supports_pp: bool = True,
+                   default_global_batch: int = 0) -> ModelDims:
+        """The planner's view of a model's shape (`shardwise.shape.ModelShape`, the one shape
+        vocabulary), widened by what a shape does not say. A shape's `ffn` is taken as a SwiGLU
+        width; a shape with `experts` but no top-k is planned as top-2 (said in the note); experts
+        are as wide as `ffn`."""
+        note = ""
+        experts = int(getattr(shape, "experts", 0) or 0)
+        top_k = int(getattr(shape, "top_k", 0) or 0)
+        if experts and not top_k:
+            note = f"{experts} experts assumed top-2, each of width ffn (the shape says no more)"
+        dims = cls(name=name, params_declared=int(shape.params), layers=int(shape.layers or 0),
+                   hidden=int(shape.hidden or 0), heads=int(shape.heads or 0),
+                   kv_heads=int(shape.kv_heads or 0), ffn=0 if experts else int(shape.ffn or 0),
+                   vocab=int(shape.vocab or 0), seq_len=int(shape.seq_len or 0), tied=tied,
+                   experts=experts, top_k=(top_k or 2) if experts else 0,
+                   shared_experts=int(getattr(shape, "shared_experts", 0) or 0) if experts
+                   else 0,
+                   expert_ffn=int(shape.ffn or 0) if experts else 0,
+                   supports_tp=supports_tp, supports_pp=supports_pp,
+                   default_global_batch=default_global_batch, note=note, source="model plan")
+        if dims.opaque:
+            return dataclasses.replace(dims, supports_tp=False, supports_pp=False,
+                                       supports_recompute=False,
+                                       note="shape without layers/hidden/heads: data parallel only")
+        return dims
+
     def describe(self) -> str:
         if self.opaque:
             return f"{self.name}: {self.params / 1e9:.3g} B parameters (shape unknown: data parallel only)"
@@ -220,16 +250,15 @@ class ModelDims:
 # --- presets ---------------------------------------------------------------------------------
 
 def _gpt_default() -> ModelDims:
-    """The embedded default RunSpec's GPT (`shardwise.spec.runspec` defaults; the FFN rule of
-    `shardwise.models.gpt.GPTConfig.from_spec`: 8/3 x d_model rounded up to 64; a test checks
-    the result against `describe_model`'s build on the meta device)."""
+    """The embedded default RunSpec's GPT (the spec's defaults, with the FFN rule of
+    `GptFields.ffn_width` the model is built with; a test checks the result against
+    `describe_model`'s build on the meta device)."""
     from shardwise.spec.model import GptFields
-    from shardwise.spec.runspec import BatchSection, DataSection
+    from shardwise.spec.training import BatchSection, DataSection
 
     m, d = GptFields(), DataSection()
-    ffn = m.ffn_hidden or (int(8 * m.d_model / 3) + 63) // 64 * 64
     return ModelDims(name="gpt-default", layers=m.n_layers, hidden=m.d_model, heads=m.n_heads,
-                     kv_heads=m.n_kv_heads, ffn=ffn, vocab=d.vocab_size, seq_len=d.seq_len,
+                     kv_heads=m.n_kv_heads, ffn=m.ffn_width, vocab=d.vocab_size, seq_len=d.seq_len,
                      tied=m.tie_embeddings, default_global_batch=BatchSection().global_batch,
                      note="the default RunSpec's GPT (examples/default.toml)")
 
@@ -281,119 +310,3 @@ def preset(name: str) -> ModelDims:
                         f"{', '.join(PRESETS)}; or pass a RunSpec .toml or a Hugging Face "
                         "config.json.")
     return PRESETS[name]()
-
-
-# --- from a model plan's ModelShape ------------------------------------------------------------
-
-def from_shape(shape: Any, name: str, *, tied: bool = False, supports_tp: bool = True,
-               supports_pp: bool = True, default_global_batch: int = 0) -> ModelDims:
-    """`ModelDims` from a `shardwise.models.plan.ModelShape` (read by attribute, so this module
-    needs no torch). A shape's `ffn` is taken as a SwiGLU width; a shape with `experts` but no
-    top-k is planned as top-2 (said in the note); experts are as wide as `ffn`."""
-    note = ""
-    experts = int(getattr(shape, "experts", 0) or 0)
-    top_k = int(getattr(shape, "top_k", 0) or 0)
-    if experts and not top_k:
-        note = f"{experts} experts assumed top-2, each of width ffn (the shape says no more)"
-    dims = ModelDims(name=name, params_declared=int(shape.params), layers=int(shape.layers or 0),
-                     hidden=int(shape.hidden or 0), heads=int(shape.heads or 0),
-                     kv_heads=int(shape.kv_heads or 0), ffn=0 if experts else int(shape.ffn or 0),
-                     vocab=int(shape.vocab or 0), seq_len=int(shape.seq_len or 0), tied=tied,
-                     experts=experts, top_k=(top_k or 2) if experts else 0,
-                     shared_experts=int(getattr(shape, "shared_experts", 0) or 0) if experts
-                     else 0,
-                     expert_ffn=int(shape.ffn or 0) if experts else 0,
-                     supports_tp=supports_tp, supports_pp=supports_pp,
-                     default_global_batch=default_global_batch, note=note, source="model plan")
-    if dims.opaque:
-        return dataclasses.replace(dims, supports_tp=False, supports_pp=False,
-                                   supports_recompute=False,
-                                   note="shape without layers/hidden/heads: data parallel only")
-    return dims
-
-
-# --- from a Hugging Face config.json -----------------------------------------------------------
-
-HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-
-
-def from_hf_config(path: str | Path) -> ModelDims:
-    """`ModelDims` from a Hugging Face `config.json` (the usual keys; no transformers): layers,
-    hidden size, heads, KV heads, FFN, vocabulary, tied embeddings (Hugging Face's default:
-    tied), head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`,
-    `num_experts_per_tok`, `moe_intermediate_size`, `n_shared_experts` or
-    `shared_expert_intermediate_size`, `first_k_dense_replace`) and DeepSeek's MLA ranks."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"model config {path} does not exist (or is not a file). Pass a preset, a "
-                        "RunSpec .toml or a Hugging Face config.json.")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise SpecError(f"{path} is not readable JSON: {err}. Pass a Hugging Face config.json.") from None
-    if not isinstance(config, dict):
-        raise SpecError(f"{path} holds {type(config).__name__}, not a JSON object of config keys.")
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]  # a multimodal config: plan its language model
-
-    def get(key: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
-        value = config.get(key, default)
-        if value is None:
-            if required:
-                raise SpecError(f"{path} has no {key!r}; a Hugging Face config.json of a "
-                                "decoder-only transformer states num_hidden_layers, hidden_size, "
-                                "num_attention_heads, intermediate_size and vocab_size.")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise SpecError(f"{path}: {key} = {show(value)} must be a whole number of at least "
-                            f"{minimum}.")
-        return value
-
-    layers = get("num_hidden_layers", required=True)
-    hidden = get("hidden_size", required=True)
-    heads = get("num_attention_heads", required=True)
-    kv = get("num_key_value_heads", heads)
-    vocab = get("vocab_size", required=True)
-    tied = config.get("tie_word_embeddings", True)
-    if not isinstance(tied, bool):
-        raise SpecError(f"{path}: tie_word_embeddings = {show(tied)} must be true or false.")
-    if heads % kv:
-        raise SpecError(f"{path}: num_attention_heads ({heads}) is not a multiple of "
-                        f"num_key_value_heads ({kv}).")
-    experts = next((get(k) for k in HF_EXPERT_KEYS if config.get(k)), 0) or 0
-    top_k = get("num_experts_per_tok", 0, minimum=0) if experts else 0
-    if experts and not top_k:
-        raise SpecError(f"{path} declares {experts} experts but no num_experts_per_tok (how many "
-                        "experts route each token); add it.")
-    moe_ffn = get("moe_intermediate_size") if experts else 0
-    ffn = get("intermediate_size", required=not experts or moe_ffn is None)
-    if experts and not moe_ffn:  # Mixtral: intermediate_size is the expert width, no dense FFN
-        moe_ffn, ffn = ffn, 0
-    shared = get("n_shared_experts", 0, minimum=0) if experts else 0
-    shared_width = get("shared_expert_intermediate_size", 0, minimum=0) if experts else 0
-    if experts and shared_width and not shared:
-        shared = max(1, round(shared_width / moe_ffn))
-    dense_layers = get("first_k_dense_replace", 0, minimum=0) if experts else 0
-    head_dim = get("head_dim", 0, minimum=0)
-    attn = 0
-    note = ""
-    if config.get("kv_lora_rank"):  # DeepSeek multi-head latent attention
-        q_rank = get("q_lora_rank", 0, minimum=0)
-        kv_rank = get("kv_lora_rank")
-        nope, rope = get("qk_nope_head_dim", 128), get("qk_rope_head_dim", 64)
-        v = get("v_head_dim", 128)
-        q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
-        attn = q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * hidden
-        head_dim, kv = (nope + rope + v) // 2, heads
-        note = "MLA approximated as MHA (heads of the mean q/k and v width), weights exact"
-    max_pos = get("max_position_embeddings", 0, minimum=0)
-    dims = ModelDims(name=path.parent.name or path.stem, layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=kv, ffn=ffn or 0, vocab=vocab, seq_len=min(max_pos or 4096, 8192),
-                     tied=tied, head_dim=head_dim, experts=experts, top_k=top_k,
-                     shared_experts=shared, expert_ffn=moe_ffn or 0,
-                     dense_layers=min(dense_layers, layers), attn_params=attn, note=note,
-                     source=str(path))
-    if dims.moe and dims.dense_layers and not dims.ffn:
-        raise SpecError(f"{path}: first_k_dense_replace = {dense_layers} dense blocks need "
-                        "intermediate_size (their FFN width).")
-    return dims

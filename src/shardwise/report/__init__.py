@@ -16,11 +16,14 @@ def build_report(paths: list[str], out_dir: Path | None = None) -> tuple[Path, l
     their loss and throughput curves are overlaid, the controlled comparison and its scorecard
     follow the summary, and each run gets its own section."""
     runs = [load_run(p) for p in paths]  # every input is checked before any plotting
-    from shardwise.report import html, plots
+    from shardwise.report import html
+    from shardwise.report.canvas import safely
+    from shardwise.report.curves import COMPARE_PLOTS
+    from shardwise.report.plots import RUN_PLOTS
     from shardwise.report.summary import summary_rows
 
-    compare = [plots.safely(make, runs) for make in plots.COMPARE_PLOTS]
-    per_run = [(run, [plots.safely(make, run) for make in plots.RUN_PLOTS]) for run in runs]
+    compare = [safely(make, runs) for make in COMPARE_PLOTS]
+    per_run = [(run, [safely(make, run) for make in RUN_PLOTS]) for run in runs]
     sections: tuple[str, ...] = ()
     if len(runs) > 1:  # may they be compared, and the scorecard (`shardwise compare`'s)
         from shardwise.compare import compare_runs, load_run_data

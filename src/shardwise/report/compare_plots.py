@@ -11,7 +11,7 @@ from collections.abc import Callable
 from matplotlib.ticker import FuncFormatter
 
 from shardwise.compare.scorecard import Comparison
-from shardwise.report.plots import Plot, _figure, _png
+from shardwise.report.canvas import Plot, new_figure, to_png
 
 
 def heldout_plot(c: Comparison) -> Plot:
@@ -22,7 +22,7 @@ def heldout_plot(c: Comparison) -> Plot:
     if not any(f.evals for s in c.sides for f in s.figures):
         plot.omitted = "no run has a held-out evaluation"
         return plot
-    fig, (ax,) = _figure(1, 3.6)
+    fig, (ax,) = new_figure(1, 3.6)
     for i, side in enumerate(c.sides):
         color = f"C{i}"
         curves = [{p.tokens: p.loss for p in f.evals if p.tokens is not None}
@@ -46,7 +46,7 @@ def heldout_plot(c: Comparison) -> Plot:
     ax.set(xlabel="tokens trained", ylabel="held-out loss", title="held-out loss vs tokens")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
@@ -61,7 +61,7 @@ def target_plot(c: Comparison) -> Plot:
     if not any(h for side in hits for h in side):
         plot.omitted = f"no run reached held-out loss {c.target_loss:g}"
         return plot
-    fig, axes = _figure(1, 3.0, cols=2)
+    fig, axes = new_figure(1, 3.0, cols=2)
     labels = [s.label for s in c.sides]
     for ax, what, unit in ((axes[0], "seconds", "s"), (axes[1], "tokens", "tokens")):
         for i, side in enumerate(hits):
@@ -73,7 +73,7 @@ def target_plot(c: Comparison) -> Plot:
         ax.set_xticks(range(len(labels)), labels)
         ax.set(ylabel=unit, title=f"{what} to held-out loss {c.target_loss:g}")
         ax.grid(alpha=0.3, axis="y")
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
@@ -86,7 +86,7 @@ def speed_plot(c: Comparison) -> Plot:
     if not any(windows):
         plot.omitted = "no step event carries tokens_per_s"
         return plot
-    fig, (left, right) = _figure(1, 3.0, cols=2)
+    fig, (left, right) = new_figure(1, 3.0, cols=2)
     labels = [s.label for s in c.sides]
     shown = [w if w else [math.nan] for w in windows]
     left.boxplot(shown, tick_labels=labels)
@@ -103,7 +103,7 @@ def speed_plot(c: Comparison) -> Plot:
     right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
@@ -120,7 +120,7 @@ def relative_plot(c: Comparison) -> Plot:
     if not rows:
         plot.omitted = "no figure recorded by the baseline and another side"
         return plot
-    fig, (ax,) = _figure(1, max(2.5, 0.32 * len(rows) * (len(c.sides) - 1) + 1))
+    fig, (ax,) = new_figure(1, max(2.5, 0.32 * len(rows) * (len(c.sides) - 1) + 1))
     y = 0
     ticks, names = [], []
     for row in reversed(rows):
@@ -145,7 +145,7 @@ def relative_plot(c: Comparison) -> Plot:
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set(xlabel=f"× baseline ({c.sides[0].label})", title="relative to the baseline")
     ax.grid(alpha=0.3, axis="x")
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 

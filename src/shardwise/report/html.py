@@ -8,8 +8,8 @@ import datetime as _dt
 from html import escape
 
 from shardwise.meta import __version__
+from shardwise.report.canvas import Plot
 from shardwise.report.load import Run
-from shardwise.report.plots import Plot
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1040px; color: #222; }

@@ -1,193 +1,30 @@
-"""One PNG per question a reader asks of a run: is it learning, how fast, which rank is slow, where
-do the bytes go, how much memory, what went wrong when.
+"""One PNG per question a reader asks of one run: which rank is slow, where do the bytes go, how
+much memory, how the pipeline and the optimizer behave, what went wrong when (`RUN_PLOTS`, in the
+page's order). The curves over several runs (loss, throughput) are `report/curves.py`.
 
-Each function returns a `Plot`: PNG bytes, or the reason it was left out (the run did not record
-that data) so the page can say so instead of failing. Figures are built with matplotlib's object
-API (no pyplot), so no GUI backend and no global state are involved.
+Each function returns a `Plot` (`report/canvas.py`): PNG bytes, or the reason it was left out (the
+run did not record that data) so the page can say so instead of failing.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from matplotlib.axes import Axes
 from matplotlib.colors import TwoSlopeNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
+from shardwise.report.canvas import (
+    Plot,
+    bytes_unit,
+    finish_step_panels,
+    integer_x,
+    new_figure,
+    series,
+    to_png,
+)
 from shardwise.report.load import FAULT_KINDS, Run, finite, num, num_list
-
-DPI = 100
-WIDTH_IN = 10.0  # every plot is 1000 px wide
-
-
-@dataclass
-class Plot:
-    id: str
-    title: str
-    caption: str = ""
-    png: bytes | None = None
-    omitted: str = ""  # why there is no picture
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """(width, height) in pixels, as written into the PNG."""
-        return _size_of(self.png) if self.png else (0, 0)
-
-
-def _size_of(png: bytes) -> tuple[int, int]:
-    # The IHDR chunk follows the 8-byte signature: length, type, then width and height.
-    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
-
-
-def _figure(rows: int, height_in: float = 3.0, cols: int = 1, **kw: Any) -> tuple[Figure, list[Axes]]:
-    fig = Figure(figsize=(WIDTH_IN, height_in * rows), dpi=DPI, layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False, **kw)
-    return fig, [ax for row in axes for ax in row]
-
-
-def _png(fig: Figure) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    return buf.getvalue()
-
-
-def _series(events: list[dict[str, Any]], key: str, x: str = "step") -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for e in events:
-        xv, yv = num(e, x), num(e, key)
-        if xv is not None and finite(yv):
-            xs.append(xv)
-            ys.append(yv)
-    return xs, ys
-
-
-def _integer_x(*axes: Axes) -> None:
-    """Steps and ranks are whole numbers: no tick at step 2.5."""
-    for ax in axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def _by_launch(run: Run, events: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """(seconds since the first event, value), with a NaN between launches so no line is drawn
-    across the downtime between a crash and the resume."""
-    xs: list[float] = []
-    ys: list[float] = []
-    last = None
-    for e in events:
-        t, v = num(e, "time"), num(e, key)
-        if t is None or not finite(v):
-            continue
-        launch = run.launch_of(e)
-        if last is not None and launch != last:
-            xs.append(math.nan)
-            ys.append(math.nan)
-        xs.append(t - run.t0)
-        ys.append(v)
-        last = launch
-    return xs, ys
-
-
-def _mark_relaunches(ax: Axes, run: Run, label: bool = True) -> None:
-    """Vertical lines where training went on from an earlier step (resume, restart, rollback)."""
-    for i, (step, what) in enumerate(run.relaunch_steps()):
-        ax.axvline(step, color="tab:red" if what == "rollback" else "tab:purple", ls=":", lw=1.2,
-                   label=f"{what} from step {step}" if label and i < 4 else None)
-
-
-def _bytes_unit(values: list[float]) -> tuple[float, str]:
-    top = max((abs(v) for v in values if finite(v)), default=0.0)
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if top >= scale:
-            return scale, unit
-    return 1.0, "bytes"
-
-
-# --- plots over several runs (the comparison view) ------------------------------------------------
-
-def loss_plot(runs: list[Run]) -> Plot:
-    plot = Plot("loss", "Loss", "Train loss (solid) and held-out loss (dashed, dots) against "
-                "optimizer steps and against tokens seen; dotted verticals mark where training "
-                "went on from an earlier step (resume, restart, rollback).")
-    if not any(_series(r.steps(), "loss")[0] or _series(r.evals(), "val_loss")[0] for r in runs):
-        plot.omitted = "no step or eval event carries a finite loss"
-        return plot
-    fig, (by_step, by_tokens) = _figure(2, 3.4)
-    baseline_drawn = False
-    for i, run in enumerate(runs):
-        color = f"C{i}"
-        label = run.name if len(runs) > 1 else "train"
-        steps, evals = run.steps(), run.evals()
-        xs, ys = _series(steps, "loss")
-        by_step.plot(xs, ys, color=color, lw=1.5, label=label)
-        vx, vy = _series(evals, "val_loss")
-        by_step.plot(vx, vy, color=color, ls="--", marker="o", ms=3,
-                     label=f"{label} held-out" if len(runs) > 1 else "held-out")
-        tokens_at = {int(e["step"]): t for e in steps if (t := num(e, "tokens_seen")) is not None}
-        per_step = num(run.start, "tokens_per_step")
-        tx, ty = _series(steps, "loss", x="tokens_seen")
-        by_tokens.plot(tx, ty, color=color, lw=1.5, label=label)
-        ex = [tokens_at.get(int(s), s * per_step if per_step else math.nan) for s in vx]
-        by_tokens.plot(ex, vy, color=color, ls="--", marker="o", ms=3,
-                       label=f"{label} held-out" if len(runs) > 1 else "held-out")
-        unigram = num(run.start, "unigram_loss")
-        if finite(unigram) and not baseline_drawn:
-            for ax in (by_step, by_tokens):
-                ax.axhline(unigram, color="grey", lw=0.8, ls="-.", label="unigram baseline")
-            baseline_drawn = True
-        if len(runs) == 1:
-            _mark_relaunches(by_step, run)
-    by_step.set(xlabel="step", ylabel="loss", title="loss vs step")
-    _integer_x(by_step)
-    by_tokens.set(xlabel="tokens seen", ylabel="loss", title="loss vs tokens")
-    for ax in (by_step, by_tokens):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
-    plot.png = _png(fig)
-    return plot
-
-
-def throughput_plot(runs: list[Run]) -> Plot:
-    plot = Plot("throughput", "Throughput and MFU", "Global tokens per second and model FLOPs "
-                "utilisation (MFU, and HFU when recomputation is on) against wall time since the "
-                "run's first event.")
-    have_tps = [r for r in runs if _series(r.steps(), "tokens_per_s")[0]]
-    if not have_tps:
-        plot.omitted = "no step event carries tokens_per_s"
-        return plot
-    have_mfu = [r for r in runs if _series(r.steps(), "mfu")[0] or _series(r.steps(), "hfu")[0]]
-    fig, axes = _figure(2 if have_mfu else 1, 3.0)
-    for i, run in enumerate(runs):
-        steps = run.steps()
-        axes[0].plot(*_by_launch(run, steps, "tokens_per_s"), color=f"C{i}", marker=".",
-                     label=run.name if len(runs) > 1 else "tokens/s")
-        if have_mfu:
-            for key, ls in (("mfu", "-"), ("hfu", "--")):
-                t, v = _by_launch(run, steps, key)
-                if t:
-                    axes[1].plot(t, [100 * y for y in v], color=f"C{i}", ls=ls,
-                                 marker=".", label=f"{run.name} {key.upper()}" if len(runs) > 1
-                                 else key.upper())
-    axes[0].set(ylabel="tokens/s", title="throughput (global)")
-    if have_mfu:
-        axes[1].set(ylabel="% of peak", title="MFU / HFU")
-        missing = [r.name for r in have_tps if r not in have_mfu]
-        if missing:
-            plot.caption += f" MFU: not recorded by {', '.join(missing)}."
-    else:
-        plot.caption += " MFU: not recorded by this run (no mfu field in its step events)."
-    axes[-1].set_xlabel("seconds since the first event")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    plot.png = _png(fig)
-    return plot
-
 
 # --- plots of one run --------------------------------------------------------------------------------
 
@@ -211,7 +48,7 @@ def step_time_plot(run: Run) -> Plot:
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(flat), 0.9), vmax=max(max(flat), 1.1))
     pct_keys = [k for k in ("step_time_p50_s_per_rank", "step_time_p90_s_per_rank",
                             "step_time_p99_s_per_rank") if num_list(steps[-1], k)]
-    fig, axes = _figure(2 if pct_keys else 1, 3.2)
+    fig, axes = new_figure(2 if pct_keys else 1, 3.2)
     ax = axes[0]
     # ranks on the y axis, log windows on the x axis: a straggler is a red row
     image = ax.imshow([list(col) for col in zip(*rel, strict=True)], aspect="auto", origin="lower",
@@ -243,8 +80,8 @@ def step_time_plot(run: Run) -> Plot:
                     title=f"step-time percentiles per rank (window ending at step {steps[-1]['step']})")
         axes[1].grid(alpha=0.3)
         axes[1].legend(fontsize=8)
-        _integer_x(axes[1])
-    plot.png = _png(fig)
+        integer_x(axes[1])
+    plot.png = to_png(fig)
     return plot
 
 
@@ -270,18 +107,18 @@ def comm_plot(run: Run) -> Plot:
                 acc = totals.setdefault(str(name), [0.0, 0.0, 0.0])
                 for i, field in enumerate(("bytes", "time_s", "calls")):
                     acc[i] += v if finite(v := num(rec, field)) else 0.0
-    tx, tb = _series(steps, "comm_bytes")
+    tx, tb = series(steps, "comm_bytes")
     if not totals and not tx:
         plot.omitted = "no step event carries comm_by_op or comm_bytes (communication counting off?)"
         return plot
     rows = (1 if totals else 0) + (1 if tx else 0)
-    fig, axes = _figure(rows, 3.2, cols=2 if totals else 1)
+    fig, axes = new_figure(rows, 3.2, cols=2 if totals else 1)
     if totals:
         names = sorted(totals, key=lambda k: totals[k][0])
         axis_of = [k.split(":", 1)[1] if ":" in k else "?" for k in names]
         colors = {a: f"C{i}" for i, a in enumerate(sorted(set(axis_of)))}
         byte_vals = [totals[k][0] / n for k in names]
-        scale, unit = _bytes_unit(byte_vals)
+        scale, unit = bytes_unit(byte_vals)
         bars = [colors[a] for a in axis_of]
         axes[0].barh(names, [v / scale for v in byte_vals], color=bars)
         axes[0].set(xlabel=f"{unit} per step", title="bytes by op:axis")
@@ -290,13 +127,13 @@ def comm_plot(run: Run) -> Plot:
         axes[1].set_yticks(range(len(names)), [""] * len(names))
     if tx:
         ax = axes[-2] if totals else axes[0]
-        scale, unit = _bytes_unit(tb)
+        scale, unit = bytes_unit(tb)
         ax.plot(tx, [v / scale for v in tb], marker=".", color="C0")
         ax.set(xlabel="step", ylabel=f"{unit} per step", title="bytes sent per rank per step")
         ratio = [v for e in steps if finite(v := num(e, "comm_ratio_to_min"))]
         if ratio:
             ax.set_title(f"bytes sent per rank per step ({ratio[-1]:.2f}× the layout's minimum)")
-        ct, cv = _series(steps, "comm_time_s")
+        ct, cv = series(steps, "comm_time_s")
         if totals:
             ax2 = axes[-1]
             ax2.plot(ct, [1000 * v for v in cv], marker=".", color="C1")
@@ -308,8 +145,8 @@ def comm_plot(run: Run) -> Plot:
     for ax in axes:
         ax.grid(alpha=0.3)
     if tx:
-        _integer_x(*axes[-2 if totals else -1:])
-    plot.png = _png(fig)
+        integer_x(*axes[-2 if totals else -1:])
+    plot.png = to_png(fig)
     return plot
 
 
@@ -335,16 +172,16 @@ def memory_plot(run: Run) -> Plot:
     if not peak and not parts:
         plot.omitted = "no peak_mem_bytes in step events and no model_state event"
         return plot
-    fig, axes = _figure((1 if peak else 0) + (1 if parts else 0), 3.0)
+    fig, axes = new_figure((1 if peak else 0) + (1 if parts else 0), 3.0)
     ax_iter = iter(axes)
     if peak:
         ax = next(ax_iter)
-        scale, unit = _bytes_unit(peak)
+        scale, unit = bytes_unit(peak)
         ax.bar(range(len(peak)), [v / scale for v in peak], color="C0")
         ax.set(xlabel="rank", ylabel=unit, title="peak memory per rank")
     if parts:
         ax = next(ax_iter)
-        scale, unit = _bytes_unit([v for vals in parts.values() for v in vals])
+        scale, unit = bytes_unit([v for vals in parts.values() for v in vals])
         width = 0.8 / len(parts)
         for i, (name, vals) in enumerate(parts.items()):
             ax.bar([r + (i - (len(parts) - 1) / 2) * width for r in range(len(vals))],
@@ -353,28 +190,28 @@ def memory_plot(run: Run) -> Plot:
         ax.legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3, axis="y")
-        _integer_x(ax)
-    plot.png = _png(fig)
+        integer_x(ax)
+    plot.png = to_png(fig)
     return plot
 
 
 def bubble_plot(run: Run) -> Plot:
     plot = Plot("bubble", "Pipeline bubble", "Fraction of each step the pipeline stages "
                 "sat idle, per logged step.")
-    xs, ys = _series(run.steps(), "bubble_fraction")
+    xs, ys = series(run.steps(), "bubble_fraction")
     if not xs:
         plot.omitted = "no bubble_fraction in step events: this run has no pipeline stages"
         return plot
-    fig, (ax,) = _figure(1, 2.8)
+    fig, (ax,) = new_figure(1, 2.8)
     ax.plot(xs, [100 * y for y in ys], marker=".", color="C2", label="measured")
     theory = [v for e in run.steps() if finite(v := num(e, "bubble_fraction_theory"))]
     if theory:
         ax.axhline(100 * theory[-1], color="grey", ls="--", label="schedule's theory")
     ax.legend(fontsize=8)
     ax.set(xlabel="step", ylabel="% of step idle", title="pipeline bubble", ylim=(0, None))
-    _integer_x(ax)
+    integer_x(ax)
     ax.grid(alpha=0.3)
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
@@ -382,29 +219,18 @@ def optimizer_plot(run: Run) -> Plot:
     plot = Plot("optimizer", "Optimizer", "Learning rate, gradient norm (before clipping) and, "
                 "with fp16, the loss scale.")
     steps = run.steps()
-    panels = [(k, _series(steps, k)) for k in ("lr", "grad_norm", "loss_scale")]
+    panels = [(k, series(steps, k)) for k in ("lr", "grad_norm", "loss_scale")]
     panels = [(k, s) for k, s in panels if s[0]]
     if not panels:
         plot.omitted = "no lr, grad_norm or loss_scale in step events"
         return plot
-    fig, axes = _figure(len(panels), 2.2, sharex=True)
+    fig, axes = new_figure(len(panels), 2.2, sharex=True)
     for ax, (key, (xs, ys)) in zip(axes, panels, strict=True):
         ax.plot(xs, ys, marker=".", color="C3" if key == "grad_norm" else "C0")
         ax.set(ylabel=key.replace("_", " "))
         if key == "loss_scale":
             ax.set_yscale("log", base=2)
-    return _finish_step_panels(plot, fig, axes, run)
-
-
-def _finish_step_panels(plot: Plot, fig: Figure, axes: list[Axes], run: Run) -> Plot:
-    """Panels stacked over a shared step axis: grid, relaunch marks, integer steps, the PNG."""
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        _mark_relaunches(ax, run, label=False)
-    axes[-1].set_xlabel("step")
-    _integer_x(*axes)
-    plot.png = _png(fig)
-    return plot
+    return finish_step_panels(plot, fig, axes, run)
 
 
 def experts_plot(run: Run) -> Plot:
@@ -422,8 +248,8 @@ def experts_plot(run: Run) -> Plot:
         plot.omitted = "no moe_load_* fields in step events (not a mixture-of-experts run)"
         return plot
     extra = [k for k in ("moe_dropped_fraction", "moe_bias_abs_max")
-             if any(v for v in _series(steps, k)[1])]
-    fig, axes = _figure(3 + len(extra), 2.0, sharex=True)
+             if any(v for v in series(steps, k)[1])]
+    fig, axes = new_figure(3 + len(extra), 2.0, sharex=True)
     xs = [b[0] for b in band]
     axes[0].fill_between(xs, [b[1] for b in band], [b[3] for b in band], alpha=0.3,
                          label="min-max over experts and layers")
@@ -433,9 +259,9 @@ def experts_plot(run: Run) -> Plot:
     for ax, key, label in zip(axes[1:], ("moe_load_cv", "moe_aux_loss", *extra),
                               ("load CV", "balance loss", *(k.removeprefix("moe_").replace(
                                   "_", " ") for k in extra)), strict=True):
-        ax.plot(*_series(steps, key), marker=".")
+        ax.plot(*series(steps, key), marker=".")
         ax.set(ylabel=label)
-    return _finish_step_panels(plot, fig, axes, run)
+    return finish_step_panels(plot, fig, axes, run)
 
 
 def checkpoint_plot(run: Run) -> Plot:
@@ -445,7 +271,7 @@ def checkpoint_plot(run: Run) -> Plot:
     if not ckpts:
         plot.omitted = "no checkpoint event (checkpointing was off or no save was reached)"
         return plot
-    fig, (ax,) = _figure(1, 2.6)
+    fig, (ax,) = new_figure(1, 2.6)
     labels = [str(e.get("step")) for e in ckpts]
     x = range(len(ckpts))
     stall = [num(e, "stall_s") for e in ckpts]
@@ -462,7 +288,7 @@ def checkpoint_plot(run: Run) -> Plot:
     ax.set_xticks(list(x), labels if len(labels) <= 30 else [""] * len(labels))
     ax.set(xlabel="checkpoint at step", ylabel="seconds", title="checkpoint saves")
     ax.grid(alpha=0.3, axis="y")
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
@@ -483,7 +309,7 @@ def timeline_plot(run: Run) -> Plot:
     if not timed:
         plot.omitted = "no event carries a time"
         return plot
-    fig, (top, bottom) = _figure(2, 2.6, sharex=True)
+    fig, (top, bottom) = new_figure(2, 2.6, sharex=True)
     t0 = run.t0
     raw_steps = [(t - t0, s) for e in run.of("step")
                  if (t := num(e, "time")) is not None and (s := num(e, "step")) is not None]
@@ -506,27 +332,10 @@ def timeline_plot(run: Run) -> Plot:
                title="events" + ("" if faults else " (no restart, straggler, hang or rollback)"))
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
 RUN_PLOTS: tuple[Callable[[Run], Plot], ...] = (
     step_time_plot, comm_plot, memory_plot, bubble_plot, optimizer_plot, experts_plot,
     checkpoint_plot, timeline_plot)
-COMPARE_PLOTS: tuple[Callable[[list[Run]], Plot], ...] = (loss_plot, throughput_plot)
-
-
-def plot_id(make: Callable[..., Plot]) -> str:
-    """`step_time_plot` -> `step-time`: the id its picture has in the page."""
-    return make.__name__.removesuffix("_plot").replace("_", "-")
-
-
-def safely(make: Callable[[Any], Plot], arg: Any) -> Plot:
-    """A plot whose data is malformed in a way the checks above did not foresee is left out with
-    the reason, so one odd field never costs the reader the rest of the report."""
-    try:
-        return make(arg)
-    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError) as err:
-        name = plot_id(make)
-        return Plot(name, name.replace("-", " ").capitalize(),
-                    omitted=f"its data could not be plotted ({type(err).__name__}: {err})")

@@ -12,8 +12,8 @@ from shardwise.compare.scaling import ScalePoint
 from shardwise.compare.scorecard import Comparison
 from shardwise.compare.text import fmt
 from shardwise.meta import __version__
+from shardwise.report.canvas import Plot, new_figure, to_png
 from shardwise.report.load import Run
-from shardwise.report.plots import Plot, _figure, _png
 
 
 def scaling_plot(points: list[ScalePoint], mode: str, target: float | None) -> Plot:
@@ -25,7 +25,7 @@ def scaling_plot(points: list[ScalePoint], mode: str, target: float | None) -> P
     if not measured:
         plot.omitted = "no run recorded tokens_per_s"
         return plot
-    fig, axes = _figure(2, 3.0, cols=2)
+    fig, axes = new_figure(2, 3.0, cols=2)
     worlds = [p.world for p in points]
     w0, t0 = measured[0].world, measured[0].tokens_per_s or 0.0
     tput, eff, comm, ttt = axes
@@ -57,14 +57,15 @@ def scaling_plot(points: list[ScalePoint], mode: str, target: float | None) -> P
         ax.set_xlabel("world size")
     for ax in axes:
         ax.grid(alpha=0.3)
-    plot.png = _png(fig)
+    plot.png = to_png(fig)
     return plot
 
 
 def write_scaling_page(points: list[ScalePoint], mode: str, target: float | None,
                        runs: list[Run], comparison: Comparison, out: Path) -> Path:
+    from shardwise.report.canvas import safely
+    from shardwise.report.curves import loss_plot, throughput_plot
     from shardwise.report.html import STYLE, plot_html
-    from shardwise.report.plots import loss_plot, safely, throughput_plot
     from shardwise.report.scorecard import STYLE as CMP_STYLE
     from shardwise.report.scorecard import comparison_section
 

@@ -89,10 +89,10 @@ def _scorecard(c: Comparison) -> str:
 
 def write_comparison_page(c: Comparison, out: Path) -> Path:
     """`out/index.html`: the comparison and its plots."""
+    from shardwise.report.canvas import safely
     from shardwise.report.compare_plots import COMPARISON_PLOTS
     from shardwise.report.html import STYLE as BASE_STYLE
     from shardwise.report.html import plot_html
-    from shardwise.report.plots import safely
 
     names = " vs ".join(f"{s.label} ({s.layout or s.runs[0].name})" for s in c.sides)
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

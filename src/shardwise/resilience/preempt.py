@@ -171,7 +171,7 @@ def catch_early() -> SignalFlag:
     """A worker process's first act, before it imports torch (seconds): handle the default
     preemption signals, so one that arrives meanwhile is a preemption, not a kill. The spec's own
     set replaces them once it is read (`run.startup.install_flag`)."""
-    from shardwise.spec.runspec import FailureSection
+    from shardwise.spec.operations import FailureSection
 
     return SignalFlag.for_process(parse_signals(FailureSection().preempt_signals))
 

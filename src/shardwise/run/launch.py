@@ -14,14 +14,21 @@ from shardwise.spec.runspec import RunSpec
 __all__ = ["Preempted", "WorkersFailed", "launch", "run_local", "start_run"]
 
 
-def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None) -> Path:
+def start_run(spec: RunSpec, dims: ParallelDims, resume: str | None,
+              branch_from: str | None = None) -> Path:
     """After `preflight`: the run directory (new, or the one resumed, checked before any worker
-    starts), the spec written into it, the workers run; returns the directory. Raises
+    starts; `branch_from`, a step or registry name, first makes the branch `run.branch`
+    describes), the spec written into it, the workers run; returns the directory. Raises
     WorkersFailed when they fail."""
     from shardwise.run import rundir
 
     if resume:
         run_dir = rundir.existing_run_dir(resume)
+        if branch_from is not None:
+            from shardwise.run.branch import make_branch
+
+            for note in make_branch(run_dir, spec, branch_from, rundir.run_id(run_dir)):
+                print(note, file=sys.stderr)
         point = rundir.resume_point(run_dir, spec)  # refuse here, before starting any worker
         for note in point.notes:
             print(note, file=sys.stderr)

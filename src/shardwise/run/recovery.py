@@ -27,6 +27,7 @@ from shardwise.data.ledger import LedgerWriter
 from shardwise.errors import UserError
 from shardwise.parallel.distributed import DistContext
 from shardwise.run import manifest, rundir
+from shardwise.run.branch import marked as branch_marked
 from shardwise.run.resume import ResumeMode, check_compatible, complete
 from shardwise.run.step import StepResult
 from shardwise.spec.runspec import RunSpec
@@ -45,6 +46,7 @@ class Recovery:
     is_main: bool
     lineage: list[dict[str, Any]] = field(default_factory=list)  # checkpoints this run continues
     run_dir: Path | None = None  # where rollbacks record their skipped ranges (SKIPS)
+    branch: dict[str, Any] | None = None  # the branch the loaded checkpoint starts, if any
 
     def start(self, mode: ResumeMode, run_dir: Path, spec: RunSpec) -> bool:
         """Act on the resume rule (`run.resume`): load the newest checkpoint whose files all
@@ -93,7 +95,10 @@ class Recovery:
         seconds = time.perf_counter() - t0
         size = sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())
         self.lineage = manifest.lineage_after_resume(checkpoint)
-        self.events.emit("resume", self.step(), path=str(checkpoint),
+        self.branch = branch_marked(self.run_dir, checkpoint)  # `train --resume --from`
+        if self.branch is not None:
+            self.lineage[-1]["branch"] = self.branch
+        self.events.emit("resume", self.step(), path=str(checkpoint), branch=self.branch,
                          from_layout=meta.get("layout"), from_world_size=meta.get("world_size"),
                          load_s=round(seconds, 4), bytes=size,
                          load_bytes_per_s=round(size / seconds) if seconds > 0 else None)

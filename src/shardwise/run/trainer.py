@@ -262,7 +262,7 @@ class Trainer:
         if self.ctx.distributed:  # every rank has read the launch count before rank 0 appends
             dist.barrier()
         self.ledger.start_launch(self.state.step, self.ctx.world_size, self.ctx.dims.dp,
-                                 self.layout.global_batch)
+                                 self.layout.global_batch, branch=self.recovery.branch)
         self.record.emit_start(self.state.step)
         t_start = time.perf_counter()
         self.monitors.start()

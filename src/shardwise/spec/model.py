@@ -67,6 +67,12 @@ class GptFields:
         positive("model.norm_eps", self.norm_eps)
         positive("model.init_std", self.init_std)
 
+    @property
+    def ffn_width(self) -> int:
+        """The SwiGLU hidden size: `ffn_hidden`, or 8/3 x d_model rounded up to a multiple of 64
+        (the one place this rule is written: the model and the planner's preset both read it)."""
+        return self.ffn_hidden or (int(8 * self.d_model / 3) + 63) // 64 * 64
+
 
 @dataclass(frozen=True)
 class MoeGptFields(GptFields):

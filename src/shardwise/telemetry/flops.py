@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.shape import ModelShape
+
 FLOPS_FORMULA = (
     "model_flops_per_token = 6*N + 12*L*H*Q*T/2 (causal attention counted once: half the TxT "
     "square); N = weights in matmuls per token (block projections + output projection, tied or "
@@ -45,7 +47,8 @@ FLOPS_FORMULA = (
 
 @dataclass(frozen=True)
 class FlopCounts:
-    """The architecture facts FLOPs depend on; a model family reports these (GPT.flop_counts)."""
+    """The architecture facts FLOPs depend on; a model family reports these in its plan
+    (`ModelPlan.flop_counts`): from its shape (`FlopCounts.of`) or counted on its modules."""
 
     n_layers: int
     layer_matmul_params: int  # per block, active weights (MoE: router + top-k experts)
@@ -58,6 +61,28 @@ class FlopCounts:
     # non-reentrant checkpoint stops recomputing once every tensor backward needs is back, so a
     # final projection whose output nothing saves (GPT's w2) is not run again.
     recompute_matmul_params: int | None = None
+
+    @classmethod
+    def of(cls, shape: ModelShape) -> FlopCounts:
+        """The counts of a decoder whose blocks are attention (q, k, v, o; grouped-query K/V
+        heads) and a SwiGLU feed-forward (three hidden x ffn matrices), as the built-in families
+        are: with `shape.experts`, the feed-forward is a router and experts of width `ffn`, a
+        token using `top_k` of them plus the shared ones. The output projection counts tied or
+        not; recompute stops before each block's last projection (w2: nothing saves its output
+        for backward)."""
+        if not (shape.layers and shape.hidden and shape.heads):
+            raise ValueError(f"FlopCounts.of needs a shape with layers, hidden and heads: {shape}")
+        h, hd = shape.hidden, shape.head_dim
+        attention = 2 * h * shape.heads * hd + 2 * h * shape.kv_heads * hd
+        if shape.experts:
+            router, ffn = h * shape.experts, shape.ffn * (shape.top_k + shape.shared_experts)
+        else:
+            router, ffn = 0, shape.ffn
+        per_layer = attention + router + 3 * h * ffn
+        return cls(n_layers=shape.layers, layer_matmul_params=per_layer,
+                   head_matmul_params=h * shape.vocab, n_heads=shape.heads, head_dim=hd,
+                   seq_len=shape.seq_len, causal=True,
+                   recompute_matmul_params=per_layer - h * ffn)
 
     @property
     def matmul_params(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardwise.spec.runspec import TelemetrySection
+from shardwise.spec.operations import TelemetrySection
 from shardwise.telemetry.events import Sink
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardwise.spec.runspec import MemorySection, ParallelSection
+from shardwise.spec.layout import MemorySection, ParallelSection
 from shardwise.telemetry.bubble import StageClock, theoretical_bubble
 from shardwise.telemetry.events import EventLog
 from shardwise.telemetry.flops import FLOPS_FORMULA, FlopCounts, recomputed_blocks, utilization

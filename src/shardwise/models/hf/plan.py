@@ -31,13 +31,13 @@ from shardwise.models.hf.moe import moe_of
 from shardwise.models.plan import (
     TP_STYLES,
     ModelPlan,
-    ModelShape,
     PlanError,
     Stages,
     embedding_refusal,
     find_tied,
     unique_params,
 )
+from shardwise.shape import ModelShape
 from shardwise.telemetry.flops import FlopCounts
 
 # HF tensor-parallel style -> shardwise style. `output` / `embedding` are decided by the module

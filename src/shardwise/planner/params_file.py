@@ -1,0 +1,83 @@
+"""`CostParams` as a TOML file with one `[cost_params]` table: what `shardwise plan --calibrate
+--write-params FILE` writes and `--params FILE` reads, each value checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from shardwise.errors import SpecError, UserError
+from shardwise.planner.cost import OVERHEAD_FIELDS, OVERLAPPABLE, CostParams
+
+PARAMS_TABLE = "cost_params"
+
+
+def validate_params(params: CostParams, origin: str = "the cost parameters") -> CostParams:
+    """Refuse values the cost model cannot use, naming the field."""
+    def bad(name: str, want: str) -> SpecError:
+        return SpecError(f"{PARAMS_TABLE}.{name} = {getattr(params, name)!r} in {origin}: it must "
+                         f"be {want}.")
+
+    if not 0 < params.efficiency <= 1:
+        raise bad("efficiency", "in (0, 1]")
+    for name in ("overlap", "bandwidth_efficiency", "tp_overlap", "ep_overlap"):
+        value = getattr(params, name)
+        if not 0 <= value <= 1:
+            raise bad(name, "in [0, 1]")
+    if params.bandwidth_efficiency == 0:
+        raise bad("bandwidth_efficiency", "above 0")
+    for name in ("collective_latency_s", "fragmentation", "runtime_overhead_bytes",
+                 "logits_bytes", "cpu_runtime_overhead_bytes", "cpu_fragmentation",
+                 "cpu_zero1_retained_copies", "cpu_fsdp_retained_copies", *OVERHEAD_FIELDS):
+        value = getattr(params, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise bad(name, "a finite number of at least 0")
+    if params.residual_bytes not in (2, 4):
+        raise bad("residual_bytes", "2 (bf16) or 4 (fp32)")
+    if params.grad_bytes not in (2, 4):
+        raise bad("grad_bytes", "2 (fp16/bf16) or 4 (fp32)")
+    for name in ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
+                 "attention_efficiency_ampere", "attention_efficiency_hopper"):
+        if not 0 < getattr(params, name) <= 1:
+            raise bad(name, "in (0, 1]")
+    for name in ("gemm_k_half_ampere", "gemm_k_half_hopper"):
+        if not (getattr(params, name) >= 0 and math.isfinite(getattr(params, name))):
+            raise bad(name, "a finite number of at least 0")
+    unknown = [x for x in params.overlapped if x not in OVERLAPPABLE]
+    if unknown:
+        raise bad("overlapped", f"a list of {', '.join(OVERLAPPABLE)} (not {', '.join(unknown)})")
+    return params
+
+
+def params_to_toml(params: CostParams, header: Sequence[str] = ()) -> str:
+    from shardwise.spec.toml import toml_value as _toml_value
+
+    lines = [f"# {line}" for line in header]
+    lines.append(f"[{PARAMS_TABLE}]")
+    lines.extend(f"{f.name} = {_toml_value(getattr(params, f.name))}"
+                 for f in dataclasses.fields(CostParams))
+    return "\n".join(lines) + "\n"
+
+
+def load_params(path: str | Path) -> CostParams:
+    """CostParams from a TOML file with one `[cost_params]` table (as `--write-params` writes it;
+    keys left out keep their defaults)."""
+    from shardwise.spec.toml import build_table as _build_section
+    from shardwise.spec.toml import read_toml as _read_toml
+    from shardwise.spec.toml import suggest as _suggest
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"--params {path}: no such file. Pass a TOML file that `shardwise plan "
+                        "--calibrate RUN_DIR --write-params FILE` wrote.")
+    data = _read_toml(path)
+    unknown = [k for k in data if k != PARAMS_TABLE]
+    if unknown or not isinstance(data.get(PARAMS_TABLE, {}), dict):
+        name = unknown[0] if unknown else PARAMS_TABLE
+        raise SpecError(f"{path}: [{name}] is not a table of cost parameters."
+                        f"{_suggest(name, [PARAMS_TABLE])} The file holds one [{PARAMS_TABLE}] "
+                        "table (as --write-params writes it).")
+    params = _build_section(PARAMS_TABLE, CostParams, data.get(PARAMS_TABLE, {}), str(path))
+    return validate_params(params, str(path))
