@@ -133,7 +133,7 @@ VERIFY = {
 }
 
 
-@pytest.mark.parametrize("name", grid(list(VERIFY), default=("ep",)))
+@pytest.mark.parametrize("name", grid(list(VERIFY), default=()))  # 17-40 s each
 def test_verify_expert_parallel(name, small_corpus, tmp_path):
     """`shardwise verify` (parameters after 3 steps of every layout against dp1, rtol 1e-5),
     and a tighter bound on the relative parameter difference than verify's own."""
@@ -161,6 +161,7 @@ def _moe_steps(run_dir: Path) -> list[dict]:
     return [e for e in events if e.get("kind", e.get("event")) == "step"]
 
 
+@pytest.mark.grid  # 9 s; export round trips run in e2e/test_export.py
 def test_export_round_trip_from_ep2(small_corpus, tmp_path):
     """Trained at ep2 (over DDP, world 2; `verify` above covers ep2 over ZeRO-3): parameters
     and expert telemetry as the single process's; `shardwise export --format hf` then

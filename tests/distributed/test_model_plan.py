@@ -189,6 +189,7 @@ def test_cli_refuses_tp_for_a_model_without_a_plan(small_corpus, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.grid  # 10 s; builders train in the default parity rows
 def test_python_api_trains_a_builder_function_on_two_workers(small_corpus, tmp_path):
     """`shardwise.train(spec, model=build)` from a user's script: the builder is recorded as
     py:FILE:NAME, both workers import it, ZeRO-3 trains, the manifest pins the file's hash."""
@@ -218,6 +219,7 @@ def test_python_api_trains_a_builder_function_on_two_workers(small_corpus, tmp_p
     assert manifest["model"]["plan"]["tp"] == {}
 
 
+@pytest.mark.grid  # 13 s
 def test_print_plan_shows_placements_stages_units_and_tied_groups(small_corpus, tmp_path):
     def plan(*sets: str) -> subprocess.CompletedProcess:
         args = [sys.executable, "-m", "shardwise", "train", "--print-placement",

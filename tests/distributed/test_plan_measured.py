@@ -100,12 +100,14 @@ def world4_shared(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) 
     return runs
 
 
+@pytest.mark.grid  # four fresh world-2 runs, 35 s
 @pytest.mark.parametrize("zero", STAGES)
 def test_model_state_and_peak_at_world_2(world2: dict[int, Path], zero: int) -> None:
     check_state(world2[zero])
     check_peak(world2[zero])
 
 
+@pytest.mark.grid  # world 4, 12 s
 @pytest.mark.parametrize("zero", STAGES)
 def test_model_state_at_world_4(world4_shared: dict[int, Path], zero: int) -> None:
     check_state(world4_shared[zero])

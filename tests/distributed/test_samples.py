@@ -99,6 +99,7 @@ def test_the_step_counts_real_targets_of_padded_samples(tmp_path):
     assert evals[-1]["eval_tokens"] == min(val_targets, evals[-1]["eval_tokens"])
 
 
+@pytest.mark.grid  # 25 s of training to beat chance
 def test_digits_example_trains_under_zero3_and_beats_chance(tmp_path):
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (the dev "
                         "extra installs it)")

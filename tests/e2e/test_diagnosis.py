@@ -63,6 +63,7 @@ def test_planted_hang_is_reported_with_the_rank(small_corpus, tmp_path):
     assert hang_events[0]["time"] - first_step < HANG_TIMEOUT + 30, seconds
 
 
+@pytest.mark.grid  # 10 s; the planted hang stays in the default run
 @pytest.mark.timeout(200)
 def test_planted_collective_mismatch_names_the_rank(small_corpus, tmp_path):
     config = _config(small_corpus, tmp_path, "mismatch:rank=1:step=2:phase=backward")

@@ -84,6 +84,7 @@ def test_signal_to_one_rank_stops_all_and_resumes_bitwise(reference, small_corpu
     _assert_same_state(resumed, reference)
 
 
+@pytest.mark.grid  # 14 s; the start-up phases are also checked in distributed/test_startup.py
 @pytest.mark.timeout(180)
 def test_a_signal_before_the_first_step_exits_75_and_loses_nothing(reference, small_corpus,
                                                                     tmp_path):

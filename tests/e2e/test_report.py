@@ -235,6 +235,7 @@ def test_old_or_crashed_run_omits_plots_with_reasons(tmp_path, capsys):
     assert page.rows["mean MFU"] == ["—"] and page.rows["goodput"] == ["—"]
 
 
+@pytest.mark.grid  # 14 s; the real two-rank report stays in the default run
 def test_two_runs_overlay_and_out_dir(tmp_path, capsys):
     a = write_run(tmp_path / "ddp", synthetic_events("ddp-4"))
     b = write_run(tmp_path / "tp", synthetic_events("tp2+dp2", loss_shift=0.05))

@@ -42,6 +42,7 @@ def study(config) -> tuple[Path, str]:
     return out, proc.stdout
 
 
+@pytest.mark.grid  # 37 s; scale's arithmetic is unit-tested, the command runs in the grid
 @pytest.mark.timeout(420)
 def test_scaling_at_one_two_and_four_workers(study):
     out, stdout = study
