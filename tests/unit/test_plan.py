@@ -572,9 +572,9 @@ def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
 
     cases = synthetic_cases(BENCH_LAYOUTS)
     assert len(cal.free_overheads(cases, CostParams())) == len(OVERHEAD_FIELDS)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the claim is the fit's cost, not the machine's load
     fitted = cal.fit(cases, CostParams())
-    elapsed = time.perf_counter() - start
+    cpu_seconds = time.process_time() - start
     assert fitted.efficiency == pytest.approx(TRUTH.efficiency, rel=0.02)
     assert abs(fitted.overlap - TRUTH.overlap) <= 0.15  # weakly identified: little comm exposed
     for name in OVERHEAD_FIELDS:
@@ -582,7 +582,7 @@ def test_fit_recovers_the_params_that_generated_the_step_times() -> None:
     errors = [relative_error(predict(r.layout, m, c, r.batch, fitted).step_time_s, r.step_time_s)
               for r, m, c in cases]
     assert max(map(abs, errors)) < 0.01
-    assert elapsed < 5.0
+    assert cpu_seconds < 10.0
 
 
 def test_fit_keeps_unidentifiable_overheads_and_never_does_worse() -> None:
