@@ -289,6 +289,7 @@ REFUSALS = {
 }
 
 
+@pytest.mark.grid  # 8 s, a CLI run
 def test_a_tp_plan_shardwise_cannot_translate_matters_only_for_tp(small_corpus, tmp_path):
     """A declared plan with a style shardwise does not translate (OLMoE declares
     colwise_gather_output on q_proj) leaves every layout without tp open: one step trains."""
@@ -302,12 +303,13 @@ def test_a_tp_plan_shardwise_cannot_translate_matters_only_for_tp(small_corpus, 
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("case", grid(list(REFUSALS), default=("hub id", "unknown style")))
+@pytest.mark.parametrize("case", grid(list(REFUSALS), default=("hub id",)))
 def test_refusals_exit_2_with_a_message(case, small_corpus, tmp_path):
     sets, needle = REFUSALS[case]
     assert needle in _train_refused(tmp_path, small_corpus, *sets)
 
 
+@pytest.mark.grid  # 7 s, a CLI run
 def test_weights_that_are_not_the_models_are_refused(small_corpus, tmp_path):
     path, _ = _pretrained_dir(small_corpus, tmp_path)
     config = json.loads((path / "config.json").read_text())

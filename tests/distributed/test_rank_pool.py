@@ -94,10 +94,10 @@ def test_a_job_left_process_group_is_ended_and_the_ranks_retired():
     assert run_ranks(_group, 2, timeout=60) == [3.0, 3.0]  # new ranks, a new group
 
 
-@pytest.mark.parametrize("job, needle", [
+@pytest.mark.parametrize("job, needle", [  # one kind of spoiled job in the default run
     (_fail_on_rank_1, "rank 1 failed:\nTraceback"),
-    (_exit_rank_0, "rank 0 exited with code 3"),
-    (_hang_on_rank_0, "timed out after 3 s"),
+    pytest.param(_exit_rank_0, "rank 0 exited with code 3", marks=pytest.mark.grid),
+    pytest.param(_hang_on_rank_0, "timed out after 3 s", marks=pytest.mark.grid),
 ])
 def test_a_spoiled_job_fails_and_the_next_runs_on_new_ranks(job, needle):
     pids = run_ranks(_pids, 2, timeout=60)
@@ -107,14 +107,16 @@ def test_a_spoiled_job_fails_and_the_next_runs_on_new_ranks(job, needle):
     assert not set(after) & set(pids)
 
 
-@pytest.mark.parametrize("job, reason", [(_leave_thread, "thread 'left-behind'"),
-                                         (_patch_torch, "patched torch functions (dist.all_reduce")])
+@pytest.mark.parametrize("job, reason", [
+    pytest.param(_leave_thread, "thread 'left-behind'", marks=pytest.mark.grid),
+    (_patch_torch, "patched torch functions (dist.all_reduce")])
 def test_what_a_job_leaves_behind_retires_the_ranks(job, reason):
     pids = run_ranks(job, 2, timeout=60)
     assert reason in ranks.RETIRED[-1][2]
     assert not set(run_ranks(_pids, 2, timeout=60)) & set(pids)
 
 
+@pytest.mark.grid  # 8 s: two fresh spawns
 def test_fresh_ranks_are_new_processes_every_call():
     a, b = run_ranks(_pids, 2, fresh=True), run_ranks(_pids, 2, fresh=True)
     assert not set(a) & set(b)

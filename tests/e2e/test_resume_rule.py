@@ -95,7 +95,8 @@ def _check(run_dir: Path, resumed_from: int) -> None:
     assert report.exact and report.steps == 5, report.problems
 
 
-CASES = [pytest.param(0, 2, 0, id="before-first-checkpoint"),
+# 22 s each; the rule itself (--resume of a run that never committed) is in the default run
+CASES = [pytest.param(0, 2, 0, id="before-first-checkpoint", marks=pytest.mark.grid),
          pytest.param(2, 3, 2, id="after-a-checkpoint", marks=pytest.mark.grid)]
 
 
@@ -116,8 +117,7 @@ def test_restart_under_the_elastic_launcher(every, kill_step, resumed_from, smal
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("every", "kill_step", "resumed_from"),
                          [pytest.param(0, 2, 0, id="before-first-checkpoint",
-                                       marks=pytest.mark.grid),  # 18 s; the rule is the
-                          # elastic launcher's too, checked in the default run above
+                                       marks=pytest.mark.grid),
                           pytest.param(2, 3, 2, id="after-a-checkpoint", marks=pytest.mark.grid)])
 def test_restart_under_torchrun_without_a_run_dir(every, kill_step, resumed_from, small_corpus,
                                                   tmp_path):

@@ -60,6 +60,7 @@ def test_invariant_layouts_and_restart_pass_bitwise(small_corpus, tmp_path):
     assert "verify: PASS" in proc.stdout
 
 
+@pytest.mark.grid  # 16 s; verify's pass path runs in the default
 @pytest.mark.timeout(300)
 def test_a_tolerance_the_layout_cannot_meet_fails(small_corpus, tmp_path):
     """fast mode differs from the reference in the last bits: rtol 1e-15 must fail (exit 1)."""
