@@ -49,11 +49,17 @@ def run(layout: str, steps: int, out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def layout_zero(events: list[dict]) -> int:
+    return int(next(e for e in events if e["kind"] == "run_start")["zero"])
+
+
 def figures(events: list[dict], warmup: int) -> dict[str, float]:
     steps = [e for e in events if e["kind"] == "step" and e["step"] > warmup]
     state = next(e for e in events if e["kind"] == "model_state")
-    params = state["param_bytes_per_rank"][0]
     n = 2  # dp_shard
+    # this stage's tp-local parameter bytes, whole: ZeRO-1 keeps them whole on every dp rank,
+    # ZeRO-2/3 keep 1/n of them
+    params = state["param_bytes_per_rank"][0] * (1 if layout_zero(events) == 1 else n)
     dp_wire = statistics.median(
         sum(v["wire_bytes"] for k, v in e["comm_by_op"].items()
             if k in ("reduce_scatter:dp_shard", "all_gather:dp_shard")) for e in steps)
@@ -76,14 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                                              args.warmup))
     lines = ["| layout (tp2 x pp2 x dp_shard2) | step s, median (min-max) | ratio to zero3 | "
              "dp wire MB/step (rank 0) | textbook MB | measured/textbook |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]  # textbook: 2(N-1)/N x whole local parameter bytes
     zero3 = statistics.median(f["step_s"] for f in results["zero3"])
     for name, runs in results.items():
         times = [f["step_s"] for f in runs]
         med = statistics.median(times)
         wire = runs[0]["dp_wire"] / 1e6
         book = runs[0]["textbook"] / 1e6
-        ratio = f"{wire / book:.3f}" if name == "zero1" else "(not ZeRO-1)"
+        # ZeRO-1 and ZeRO-2 send one reduce-scatter of the gradients and one all-gather of the
+        # parameters per step; ZeRO-3 re-gathers per micro-batch and stage (no one-line textbook)
+        ratio = f"{wire / book:.3f}" if name in ("zero1", "zero2") else "(re-gathers)"
         lines.append(f"| {name} | {med:.3f} ({min(times):.3f}-{max(times):.3f}) | "
                      f"{med / zero3:.2f} | {wire:.2f} | {book:.2f} | {ratio} |")
     print("\n".join(lines))
