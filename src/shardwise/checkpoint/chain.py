@@ -12,7 +12,6 @@ it cannot do: vouch for the newest meta.json (nothing after it records its diges
 does for a registered checkpoint, and `inspect --verify-chain` prints it so you can keep it), or
 check across a checkpoint that retention deleted (reported as a gap, not a break). Checkpoints
 written before the chain existed have no `chain`: the walk stops there ("no chain before step N").
-Torch-free.
 """
 
 from __future__ import annotations
