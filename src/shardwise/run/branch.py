@@ -152,7 +152,8 @@ def marked(run_dir: Path | None, checkpoint: Location) -> dict[str, Any] | None:
             return None
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
-    return {k: record.get(k) for k in ("from_step", "name", "abandoned_steps", "moved_to", "at")}
+    return {k: record.get(k) for k in ("from_step", "checkpoint", "name", "meta_sha256",
+                                       "abandoned_steps", "moved_to", "at")}
 
 
 def _move(storage: Storage[Any], old: Location, new: Location) -> None:
