@@ -196,6 +196,32 @@ class LeaseLock:
             self.path.unlink(missing_ok=True)
 
 
+def holder(root: Location) -> str | None:
+    """Who holds the location's lock now (a running launch), read without taking it or writing
+    anything (`gc --dry-run`); None when nobody does."""
+    if isinstance(root, Path):
+        import fcntl
+
+        try:
+            fd = os.open(root / LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a launch's LOCK_EX
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except OSError:
+            return describe_holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+        finally:
+            os.close(fd)
+    try:
+        current = json.loads((root / LEASE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    fresh = time.time() - float(current.get("renewed", 0)) < float(current.get("lease_s", LEASE_S))
+    return describe_holder(json.dumps(current)) if fresh else None
+
+
 def lock_for(root: Location) -> FileLock | LeaseLock:
     return FileLock(root) if isinstance(root, Path) else LeaseLock(root)
 

@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         audit,
         compare,
         export,
+        gc,
         inspect,
         launch,
         plan,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_parser(sub)
     audit.add_parser(sub)
     register.add_parser(sub)
+    gc.add_parser(sub)
     return parser
 
 
