@@ -53,18 +53,22 @@ def test_node_command_is_the_exact_torchrun_line(capsys, tmp_path):
                         "--set", "failure.max_restarts=3", "--set", "failure.preempt_grace_s=45")
     assert code == 0
     argv = shlex.split(out)
-    assert Path(argv[0]).name == "torchrun"
-    options = dict(zip(argv[1:-4:2], argv[2:-4:2], strict=True))
-    assert options == {"--nnodes": "2", "--nproc-per-node": "4", "--node-rank": "1",
+    # torchrun's options, run by torchrun's agent in shardwise.cluster.node
+    assert argv[:5] == [sys.executable, "-m", "shardwise.cluster.node", "--run-dir", str(run_dir)]
+    options = dict(zip(argv[5:-4:2], argv[6:-4:2], strict=True))
+    assert options == {"--nnodes": "2", "--nproc-per-node": "4",
                        "--rdzv-backend": "c10d", "--rdzv-endpoint": "127.0.0.1:29411",
-                       "--rdzv-id": "shardwise-run", "--max-restarts": "3",
+                       "--rdzv-id": "shardwise-run", "--rdzv-conf": "is_host=false",
+                       "--max-restarts": "3",
                        "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                        "--shutdown-timeout": "45"}
     assert argv[-4:] == ["-m", "shardwise", "train", str(run_dir / "job.toml")]
     assert "max_restarts = 3" in (run_dir / "job.toml").read_text()
     (run_dir / "spec.toml").write_text("")  # a run started there: the command resumes it
     _, out, _ = _cli(capsys, "launch", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29411",
-                     "--set", f"run.dir={json.dumps(str(run_dir))}", "--set", "run.steps=99")
+                     "--node-rank", "0", "--set", f"run.dir={json.dumps(str(run_dir))}",
+                     "--set", "run.steps=99")
+    assert "--rdzv-conf is_host=true" in out
     assert shlex.split(out)[-6:] == ["shardwise", "train", "--resume", str(run_dir), "--set",
                                      "run.steps=99"]
 
@@ -121,6 +125,7 @@ def test_slurm_script_and_submission(capsys, tmp_path, monkeypatch):
                  'scontrol requeue "$SLURM_JOB_ID"', "exit 75"):
         assert line in script.splitlines() or f"    {line}" in script.splitlines(), line
     assert '--rdzv-endpoint "$HEAD:$PORT"' in script and "--max-restarts 2" in script
+    assert '--rdzv-conf "is_host=$IS_HOST"' in script
     assert "--nproc-per-node 8" in script and "--shutdown-timeout 300" in script
     assert json.loads((run_dir / slurm.JOB_RECORD).read_text())["job_id"] == "4242"
     result = subprocess.run(["bash", "-n", str(run_dir / slurm.SCRIPT)], capture_output=True)

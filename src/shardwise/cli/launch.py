@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="workers per machine (default: --gpus-per-node, else 1)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="c10d rendezvous: the first node's address and a free port")
-    p.add_argument("--node-rank", type=int, help="this node's index (optional with c10d)")
+    p.add_argument("--node-rank", type=int,
+                   help="this node's index; 0 hosts the rendezvous store (without it: the node "
+                        "the endpoint names; required when all nodes run on this machine)")
     p.add_argument("--exec", dest="execute", action="store_true",
                    help="run the command instead of printing it; exits 75 when preempted")
     p.add_argument("--slurm", action="store_true", help="write and submit an sbatch script")
@@ -59,9 +61,11 @@ def _torchrun(args: argparse.Namespace) -> int:
     endpoint = torchrun.Endpoint.parse(args.rdzv_endpoint)
     spec, run_dir = job.resolve(args.config, args.overrides, args.nnodes, local=endpoint.is_local,
                                 assume_shared=args.assume_shared)
+    # torchrun's options, run by shardwise.cluster.node: torchrun's agent, whose workers keep
+    # their store on the rendezvous host and which says the store's loss in one paragraph
     command = torchrun.node_command(spec, run_dir, nnodes=args.nnodes, nproc_per_node=nproc,
                                     endpoint=endpoint, node_rank=args.node_rank,
-                                    overrides=args.overrides)
+                                    overrides=args.overrides, agent=torchrun.node_agent(run_dir))
     job.materialize(spec, run_dir)
     if not args.execute:
         print(torchrun.render(command))

@@ -69,11 +69,15 @@ def materialize(spec: RunSpec, run_dir: Path) -> Prepared:
 
 
 def run_node(command: list[str], run_dir: Path, preempt_signals: str) -> int:
-    """Run one node's torchrun and wait; PREEMPTED_EXIT (and the one-line message) when its
-    workers stopped on a preemption signal. A preemption signal sent to this process is passed
-    on to torchrun, which runs in a session of its own so that a terminal's or a process
+    """Run one node's agent (`shardwise.cluster.node`) and wait; PREEMPTED_EXIT (and the
+    one-line message) when its workers stopped on a preemption signal, or when the agent lost
+    the rendezvous store (it said so itself). A preemption signal sent to this process is passed
+    on to the agent, which runs in a session of its own so that a terminal's or a process
     group's signal reaches it once."""
+    from shardwise.cluster.node import LOST_MARKER, RESUMABLE_EXIT
+
     clear_marker(run_dir)
+    (run_dir / LOST_MARKER).unlink(missing_ok=True)
     proc = subprocess.Popen(command, start_new_session=True)
 
     def forward(signum: int, _frame: object) -> None:
@@ -86,6 +90,8 @@ def run_node(command: list[str], run_dir: Path, preempt_signals: str) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code == RESUMABLE_EXIT:  # the agent printed why (the rendezvous store was lost)
+        return code
     marker = read_marker(run_dir)
     if marker is not None:
         print(marker_message(run_dir, marker), flush=True)

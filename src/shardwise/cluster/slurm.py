@@ -1,11 +1,12 @@
 """Slurm: the sbatch script of a job, its submission, and its state.
 
-One task per node runs torchrun; the rendezvous is on the first node of the allocation. Slurm
-sends `--signal=USR1@GRACE` that many seconds before the time limit (and `scancel --signal`
-or a preemption send what they send): the workers commit a checkpoint and the script exits 75,
-after `scontrol requeue` when the job was submitted with --requeue, so that the job continues
-from that checkpoint when it runs again (a requeued script finds spec.toml in the run directory
-and resumes).
+One task per node runs torchrun's agent (`cluster.node`); the rendezvous is on the first node of
+the allocation, whose agent hosts its store (`is_host=true`). Slurm sends `--signal=USR1@GRACE`
+that many seconds before the time limit (and `scancel --signal` or a preemption send what they
+send): the workers commit a checkpoint and the script exits 75, after `scontrol requeue` when the
+job was submitted with --requeue, so that the job continues from that checkpoint when it runs
+again (a requeued script finds spec.toml in the run directory and resumes). When the other agents
+lose the rendezvous store (its node is gone) they say so and the script exits 75 the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.cluster import torchrun
+from shardwise.cluster.node import LOST_MARKER, RESUMABLE_EXIT
 from shardwise.errors import UserError, show
 from shardwise.resilience.preempt import MARKER, PREEMPTED_EXIT
 from shardwise.spec.failure import parse_signals
@@ -118,9 +120,14 @@ def render_script(spec: RunSpec, run_dir: Path, job: SlurmJob, workdir: Path) ->
     signal_name = advance_signal(spec)
     if signal_name:
         directives.append(f"--signal={signal_name}@{round(spec.failure.preempt_grace_s)}")
+    # each task decides is_host itself: node 0 of the step is the first node of the
+    # allocation, $HEAD, where the rendezvous endpoint is
     args = torchrun.torchrun_args(spec, nnodes=job.nodes, nproc_per_node=job.nproc_per_node,
-                                  endpoint="$HEAD:$PORT", rdzv_id="shardwise-$SLURM_JOB_ID")
+                                  endpoint="$HEAD:$PORT", rdzv_id="shardwise-$SLURM_JOB_ID",
+                                  is_host="$IS_HOST", agent=torchrun.node_agent("$RUN_DIR"))
     launcher = " ".join(shlex.quote(a) if "$" not in a else f'"{a}"' for a in args)
+    node = (f'if [ "$SLURM_NODEID" = 0 ]; then IS_HOST=true; else IS_HOST=false; fi; '
+            f'exec {launcher} -m shardwise train "$@"')
     port = str(job.rdzv_port) if job.rdzv_port else f"$(({BASE_PORT} + SLURM_JOB_ID % 1000))"
     requeue = ('    scontrol requeue "$SLURM_JOB_ID"\n' if job.requeue else "")
     return "\n".join([
@@ -131,17 +138,22 @@ def render_script(spec: RunSpec, run_dir: Path, job: SlurmJob, workdir: Path) ->
         f"RUN_DIR={run}",
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"PORT={port}",
-        f'rm -f "$RUN_DIR/{MARKER}"  # a preemption of this run writes it anew',
+        "export RUN_DIR HEAD PORT  # read by every node's task",
+        f'rm -f "$RUN_DIR/{MARKER}" "$RUN_DIR/{LOST_MARKER}"  # written anew by this run',
         'if [ -f "$RUN_DIR/spec.toml" ]; then TRAIN=(--resume "$RUN_DIR")',
         f'else TRAIN=("$RUN_DIR/{torchrun.JOB_SPEC}"); fi',
         f'srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 \\',
-        f'    {launcher} \\',
-        '    -m shardwise train "${TRAIN[@]}"',
+        f'    bash -c {shlex.quote(node)} shardwise-node "${{TRAIN[@]}}"',
         "rc=$?",
         f'if [ -f "$RUN_DIR/{MARKER}" ]; then',
         '    echo "shardwise: preempted; the checkpoint is committed and the run resumes when the'
         ' job runs again (exit code ' f'{PREEMPTED_EXIT})" >&2',
         requeue + f"    exit {PREEMPTED_EXIT}",
+        "fi",
+        f'if [ -f "$RUN_DIR/{LOST_MARKER}" ]; then',
+        '    echo "shardwise: the node hosting the rendezvous store was lost; the run resumes from'
+        ' its newest checkpoint when the job runs again (exit code ' f'{RESUMABLE_EXIT})" >&2',
+        requeue + f"    exit {RESUMABLE_EXIT}",
         "fi",
         'exit "$rc"',
         "",

@@ -3,7 +3,11 @@
 The command runs `shardwise train` unchanged under torchrun. Preemption needs two torchrun
 options: `--signals-to-handle` adds the preemption signals (SIGUSR1 would otherwise kill the
 agent and orphan the workers) and `--shutdown-timeout` gives the workers the grace period to
-commit their checkpoint before the agent kills them.
+commit their checkpoint before the agent kills them. `--rdzv-conf is_host=true|false` says which
+agent hosts the rendezvous store (the node the endpoint names): left to torch, every agent whose
+machine matches the endpoint tries to, and the first to bind the port wins, so losing "some other
+node" could end the job. `--exec` and the Slurm job run the same options through
+`shardwise.cluster.node` (torchrun's entry point, with the store's loss said in one paragraph).
 """
 
 from __future__ import annotations
@@ -70,18 +74,42 @@ def check_counts(nnodes: int, nproc_per_node: int) -> None:
                         "worker (one per GPU; on CPU, one or a few per machine).")
 
 
+def node_agent(run_dir: Path | str) -> list[str]:
+    """What runs torchrun's options under `--exec` and Slurm: `python -m shardwise.cluster.node`
+    (torchrun's own entry point; the run directory is where it leaves its marker)."""
+    return [sys.executable, "-m", "shardwise.cluster.node", "--run-dir", str(run_dir)]
+
+
 def torchrun_args(spec: RunSpec, *, nnodes: int, nproc_per_node: int, endpoint: str,
-                  rdzv_id: str, node_rank: int | None = None) -> list[str]:
-    """torchrun's own options (everything before the training module)."""
+                  rdzv_id: str, is_host: str, agent: Sequence[str] = ()) -> list[str]:
+    """torchrun's own options (everything before the training module), after `agent` (default:
+    the torchrun executable). `is_host` ("true", "false", or a shell expression for Slurm) says
+    whether this node's agent hosts the rendezvous store."""
     failure = spec.failure
-    args = [torchrun_executable(), "--nnodes", str(nnodes), "--nproc-per-node",
+    # no --node-rank: torchrun ignores it under c10d (and says so); here it decides is_host
+    args = [*(agent or [torchrun_executable()]), "--nnodes", str(nnodes), "--nproc-per-node",
             str(nproc_per_node)]
-    if node_rank is not None:
-        args += ["--node-rank", str(node_rank)]
     return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+            "--rdzv-conf", f"is_host={is_host}",
             "--max-restarts", str(failure.max_restarts),
             "--signals-to-handle", agent_signals(failure.preempt_signals),
             "--shutdown-timeout", str(max(1, round(failure.preempt_grace_s)))]
+
+
+def hosts_store(endpoint: Endpoint, nnodes: int, node_rank: int | None) -> bool:
+    """Whether this node hosts the rendezvous store: node rank 0 when the rank is given, else
+    whether the endpoint names this machine. All nodes on one machine (a loopback endpoint)
+    would each claim it, so there the rank is required."""
+    if nnodes == 1:
+        return True
+    if node_rank is not None:
+        return node_rank == 0
+    if nnodes > 1 and endpoint.is_local:
+        raise UserError(f"--rdzv-endpoint {endpoint} is this machine, so every node of this "
+                        f"{nnodes}-node job runs here and each would claim the rendezvous store: "
+                        "give each its --node-rank (0 for the one that hosts the store, then 1, "
+                        f"2, ... {nnodes - 1}).")
+    return endpoint.is_local
 
 
 def train_args(run_dir: Path, overrides: Sequence[str] = ()) -> list[str]:
@@ -97,15 +125,18 @@ def train_args(run_dir: Path, overrides: Sequence[str] = ()) -> list[str]:
 
 
 def node_command(spec: RunSpec, run_dir: Path, *, nnodes: int, nproc_per_node: int,
-                 endpoint: Endpoint, node_rank: int | None,
-                 overrides: Sequence[str] = ()) -> list[str]:
+                 endpoint: Endpoint, node_rank: int | None, overrides: Sequence[str] = (),
+                 agent: Sequence[str] = ()) -> list[str]:
+    """One node's full command line: `agent` (default torchrun) with torchrun's options, then
+    `-m shardwise train ...`."""
     check_counts(nnodes, nproc_per_node)
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} for --nnodes "
                         f"{nnodes}.")
+    is_host = "true" if hosts_store(endpoint, nnodes, node_rank) else "false"
     return [*torchrun_args(spec, nnodes=nnodes, nproc_per_node=nproc_per_node,
-                           endpoint=str(endpoint), rdzv_id=rdzv_id(run_dir),
-                           node_rank=node_rank), *train_args(run_dir, overrides)]
+                           endpoint=str(endpoint), rdzv_id=rdzv_id(run_dir), is_host=is_host,
+                           agent=agent), *train_args(run_dir, overrides)]
 
 
 def rdzv_id(run_dir: Path) -> str:
