@@ -30,6 +30,7 @@ from shardwise.errors import UserError
 from shardwise.models.registry import model_source
 from shardwise.parallel.distributed import DistContext, init_distributed, launcher_store, shutdown
 from shardwise.resilience.faults import FaultInjector
+from shardwise.resilience.peers import peer_lost
 from shardwise.resilience.preempt import SignalFlag, write_marker
 from shardwise.run import rundir
 from shardwise.run.hooks import user_hook_setups
@@ -273,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / ERRORS_DIR).mkdir(exist_ok=True)
         (run_dir / ERRORS_DIR / f"rank-{os.environ.get('RANK', '0')}.txt").write_text(str(err))
         return err.exit_code
+    except Exception as err:
+        lost = peer_lost(err)
+        if lost is None:
+            raise  # a defect: its traceback is the report
+        print(f"rank {os.environ.get('RANK', '0')}: another worker or node went away "
+              f"mid-collective ({lost[:200]}); the launcher restarts the workers from the "
+              "newest checkpoint when failure.max_restarts allows", file=sys.stderr)
+        return 1
     return 0
 
 
