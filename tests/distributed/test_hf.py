@@ -139,6 +139,17 @@ def test_verify_layout_grid(name, small_corpus, tmp_path):
 
 
 @pytest.mark.grid
+@pytest.mark.timeout(600)
+def test_a_hugging_face_model_through_a_three_d_layout(small_corpus, tmp_path):
+    """The seed's own layout at small scale on a Hugging Face model: ZeRO-1 (the distributed
+    optimizer) x tp2 x pp2 at world 8, against the single process."""
+    layout = "zero1-2+tp2+pp2-1f1b"
+    out = _verify(small_corpus, tmp_path, "qwen3", f"dp1,{layout}")
+    (row,) = [line for line in out.splitlines() if line.split()[:1] == [layout]]
+    assert row.split()[-1] == "ok" and " exact " in row, out
+
+
+@pytest.mark.grid
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_invariant_bitwise_across_data_parallel_degrees(name, small_corpus, tmp_path):
     out = _verify(small_corpus, tmp_path, name, "dp1,ddp2,zero1-2,zero3-2,hsdp-2x2",

@@ -132,6 +132,7 @@ def test_peak_at_world_4_in_fresh_ranks(small_corpus: Path, tmp_path: Path, zero
 
 # --- calibration ---------------------------------------------------------------------------------
 
+@pytest.mark.grid  # reads the four fresh world-2 runs of `world2` (35 s of set-up)
 def test_calibrate_reports_errors_and_writes_params_the_planner_reads(
         world2: dict[int, Path], tmp_path: Path, capsys) -> None:
     runs = [str(world2[z]) for z in (0, 2, 3)]

@@ -9,6 +9,7 @@ import torch
 
 from shardwise.cli.main import main
 from shardwise.data import prepare_data
+from shardwise.run.preflight import with_data_hashes
 from tests.support.specs import tiny_spec
 from tests.support.workers import train_single
 
@@ -20,7 +21,8 @@ def test_manifest_records_the_run_and_its_lineage(small_corpus, tmp_path, capsys
     train_single(first)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     data = prepare_data(first.data)
-    assert manifest["spec_sha256"] == first.digest()
+    # the spec the run trained: the data's hashes pinned in (as the launcher pins them)
+    assert manifest["spec_sha256"] == with_data_hashes(first, data).digest() != first.digest()
     assert manifest["spec"]["run"]["seed"] == first.run.seed == manifest["seed"]
     assert manifest["data"]["content_sha256"] == data.content_hash
     assert manifest["data"]["tokenizer_sha256"] == data.tokenizer_hash
@@ -44,7 +46,8 @@ def test_manifest_records_the_run_and_its_lineage(small_corpus, tmp_path, capsys
 
     assert main(["inspect", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "resumed from" in out and "step-000002" in out and resumed.digest()[:16] in out
+    assert "resumed from" in out and "step-000002" in out
+    assert with_data_hashes(resumed, data).digest()[:16] in out
     recorded = json.loads((run_dir / "manifest.json").read_text())["environment"]["container"]
     shown = f"{recorded['image'] or 'unnamed image'} ({recorded['runtime']})" if recorded \
         else "none (not in a container)"  # the CI machines are Docker containers

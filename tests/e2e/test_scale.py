@@ -78,6 +78,7 @@ def test_scaling_at_one_two_and_four_workers(study):
     assert 'id="scorecard"' in html and "<script" not in html
 
 
+@pytest.mark.grid  # reads `study` (1, 2 and 4 workers: 34 s of set-up)
 def test_the_sizes_are_a_controlled_comparison_of_layouts(study, capsys):
     out, _ = study
     code = main(["compare", *(str(out / f"world-{w}") for w in (1, 2, 4)), "--json"])
