@@ -247,7 +247,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def compare_layouts(store: Any, layouts: list[str], run_dir: str) -> dict[str, list[str]]:
     """In each rank: for every layout, the eager build and the meta build through `parallelize`;
     what differs (empty lists when everything is bit for bit equal)."""
-    from shardwise.checkpoint.checkpointer import full_model_state
+    from shardwise.checkpoint.state import full_model_state
     from shardwise.data import BatchLayout
     from shardwise.parallel.distributed import init_distributed, shutdown
     from shardwise.parallel.parallelize import parallelize, unwrap

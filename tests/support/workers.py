@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint.checkpointer import full_model_state
+from shardwise.checkpoint.state import full_model_state
 from shardwise.run import rundir
 from shardwise.run.trainer import Trainer
 from shardwise.run.worker import run_worker

@@ -19,7 +19,11 @@ background write leaves an uncommitted save that is never loaded, exactly as a c
 synchronous one.
 
 The checkpointer knows nothing of the insides of what it saves: it receives a dict of Stateful
-objects (model+optimizer, train state, data cursor) and calls their state_dict/load_state_dict.
+objects (model+optimizer, train state, data cursor; `shardwise.checkpoint.state` adapts them) and
+calls their state_dict/load_state_dict.
+
+(About 400 lines for one job, a save's life from the claim on the location to retention, and
+the reads that must wait for a save in flight: those share the one-save-at-a-time state.)
 """
 
 from __future__ import annotations
@@ -34,24 +38,18 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.checkpoint import chain, discovery, ownership, registry, volume
 from shardwise.checkpoint.integrity import Verdict, hash_files, sizes_match
 from shardwise.checkpoint.layout import META, rng_file, step_dir_name, step_of
 from shardwise.checkpoint.location import Location, StorageSpec
 from shardwise.checkpoint.staging import HostStager
+from shardwise.checkpoint.state import rng_state, set_rng_state, wrap
 from shardwise.checkpoint.storage import (
     Storage,
     follow_location,
@@ -62,58 +60,7 @@ from shardwise.checkpoint.storage import (
 )
 from shardwise.compat import side_group
 from shardwise.errors import UserError
-from shardwise.parallel.collectives import gather_full
 from shardwise.telemetry.memory import peak_during
-
-
-class ModelState(Stateful):
-    """Model parameters keyed by their fully-qualified names, merged over this rank's parts
-    (pipeline stages keep the whole model's names), as DCP-reshardable (D)Tensors."""
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        self.parts = parts
-
-    def state_dict(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for part in self.parts:
-            merged.update(get_model_state_dict(part))
-        return merged
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part in self.parts:
-            keys = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: state[k] for k in keys},
-                                 options=StateDictOptions(strict=True))
-
-
-class _Plain(Stateful):
-    """Adapts an object with state_dict/load_state_dict of plain Python values."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.obj.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state)
-
-
-def full_model_state(parts: list[nn.Module], pp_group: dist.ProcessGroup | None = None
-                     ) -> dict[str, torch.Tensor]:
-    """Every parameter as a full CPU tensor, on every rank; collective. Pipeline stages are
-    merged across `pp_group`. Meant for small models (tests, export)."""
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        # (a model's state dict holds tensors: its parameters and buffers)
-        merged.update({k: gather_full(cast(torch.Tensor, v)).detach().cpu() for k, v in
-                       get_model_state_dict(part).items()})
-    if pp_group is not None:
-        gathered: list[Any] = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, merged, group=pp_group)
-        for other in gathered:
-            merged.update(other)
-    return merged
 
 
 @dataclass
@@ -283,7 +230,7 @@ class Checkpointer:
         if self.rank == 0:
             self.storage.prepare(staging, final)
         self._barrier()
-        state = {name: _wrap(obj) for name, obj in components.items()}
+        state = {name: wrap(obj) for name, obj in components.items()}
         extra = {rng_file(self.rank): torch_bytes(rng_state())}
         if self.rank == 0:
             extra.update({path.name: path.read_bytes() for path in attach})
@@ -443,7 +390,7 @@ class Checkpointer:
             raise UserError(f"{path} is not a complete checkpoint (no {META}); it may be a "
                             "save that was interrupted. Resume from an earlier checkpoint.") from None
         self._head = chain.Head.of(meta_text)  # the next save descends from this checkpoint
-        state = {name: _wrap(obj) for name, obj in components.items()}
+        state = {name: wrap(obj) for name, obj in components.items()}
         with _quiet_single_process(self.distributed):
             dcp.load(state, storage_reader=self.storage.reader(path),
                      process_group=self.group, no_dist=not self.distributed)
@@ -471,20 +418,3 @@ def _quiet_single_process(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _wrap(obj: Any) -> Stateful:
-    return obj if isinstance(obj, Stateful) else _Plain(obj)
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from shardwise.checkpoint.checkpointer import ModelState
+from shardwise.checkpoint.state import ModelState
 from shardwise.errors import UserError
 from shardwise.models.hf.weights import stored_dtype, tensor_shapes
 from shardwise.models.plan import find_tied

@@ -223,7 +223,7 @@ FINAL_STATE = "final_state.pt"
 def dump_final_state(trainer: Trainer) -> None:
     """Rank 0 saves every parameter and optimizer-state tensor, gathered to full tensors, to
     RUN_DIR/final_state.pt (collective; for `shardwise verify` on small models)."""
-    from shardwise.checkpoint.checkpointer import full_model_state
+    from shardwise.checkpoint.state import full_model_state
 
     ctx = trainer.ctx
     pp_group = ctx.mesh["pp"].get_group() if ctx.mesh is not None and ctx.dims.pp > 1 else None
