@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.compare.runs import RunData, final_tokens
-from shardwise.report.load import Run, finite, num, num_list
+from shardwise.telemetry.readback import Run, finite, num, num_list
 
 
 @dataclass(frozen=True)

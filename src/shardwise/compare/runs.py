@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, UserError
-from shardwise.report.load import Run, load_run, num
+from shardwise.telemetry.readback import Run, load_run, num
 
 SPEC = "spec.toml"
 MANIFEST = "manifest.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardwise.report.load import Run, load_run
+from shardwise.telemetry.readback import Run, load_run
 
 __all__ = ["Run", "build_report", "load_run"]
 

@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from shardwise.report.load import Run, finite, num
+from shardwise.telemetry.readback import Run, finite, num
 
 DPI = 100
 WIDTH_IN = 10.0  # every plot is 1000 px wide

@@ -15,7 +15,7 @@ from shardwise.report.canvas import (
     series,
     to_png,
 )
-from shardwise.report.load import Run, finite, num
+from shardwise.telemetry.readback import Run, finite, num
 
 
 def loss_plot(runs: list[Run]) -> Plot:

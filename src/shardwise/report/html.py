@@ -9,7 +9,7 @@ from html import escape
 
 from shardwise.meta import __version__
 from shardwise.report.canvas import Plot
-from shardwise.report.load import Run
+from shardwise.telemetry.readback import Run
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1040px; color: #222; }

@@ -24,7 +24,7 @@ from shardwise.report.canvas import (
     series,
     to_png,
 )
-from shardwise.report.load import FAULT_KINDS, Run, finite, num, num_list
+from shardwise.telemetry.readback import FAULT_KINDS, Run, finite, num, num_list
 
 # --- plots of one run --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from shardwise.compare.scorecard import Comparison
 from shardwise.compare.text import fmt
 from shardwise.meta import __version__
 from shardwise.report.canvas import Plot, new_figure, to_png
-from shardwise.report.load import Run
+from shardwise.telemetry.readback import Run
 
 
 def scaling_plot(points: list[ScalePoint], mode: str, target: float | None) -> Plot:

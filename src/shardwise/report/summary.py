@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from shardwise.report.load import Run, finite, num
+from shardwise.telemetry.readback import Run, finite, num
 
 MISSING = "—"
 

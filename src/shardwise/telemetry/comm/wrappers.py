@@ -15,7 +15,9 @@ kept apart so that `tap.py` holds what happens to a call and this module where c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,11 +25,21 @@ import torch.distributed as dist
 from shardwise.compat import TorchPatches, functional_collectives
 from shardwise.telemetry.comm.calls import C10D, FUNCOL, _arg, _Extract, _nbytes, _storage_key
 
-if TYPE_CHECKING:
-    from shardwise.telemetry.comm.tap import CommTap
+
+class TapCalls(Protocol):
+    """What a wrapper needs of its tap (`shardwise.telemetry.comm.tap.CommTap`): the call it
+    hands each collective to, the per-thread re-entry flag, the functional results awaiting
+    their wait. A protocol, so that the tap imports the wrappers and not the other way round."""
+
+    _local: threading.local
+    _awaiting: dict[int, Any]
+
+    def _call(self, original: Callable, args: tuple, kwargs: dict, op: str, group: Any,
+              nbytes: int, tensor: torch.Tensor | None, wire: float | None = None,
+              gathered: bool = False, functional: bool = False) -> Any: ...
 
 
-def wrap_torch(tap: CommTap, patches: TorchPatches) -> None:
+def wrap_torch(tap: TapCalls, patches: TorchPatches) -> None:
     """Set `tap`'s wrappers of torch's collectives through `patches` (undone with them)."""
     funcol = functional_collectives()
     from torch.distributed import distributed_c10d as c10d
@@ -50,7 +62,7 @@ def _set(patches: TorchPatches, modules: tuple[Any, ...], name: str, original: A
             patches.set(module, name, wrapper)
 
 
-def _wrap(tap: CommTap, patches: TorchPatches, modules: tuple[Any, ...], name: str, op: str,
+def _wrap(tap: TapCalls, patches: TorchPatches, modules: tuple[Any, ...], name: str, op: str,
           extract: _Extract, gpos: int, gathered_by_size: bool, functional: bool = False) -> None:
     original = getattr(modules[0], name, None)
     if original is None or getattr(original, "__shardwise_tap__", False):
@@ -70,7 +82,7 @@ def _wrap(tap: CommTap, patches: TorchPatches, modules: tuple[Any, ...], name: s
     _set(patches, modules, name, original, wrapper)
 
 
-def _wrap_batch_p2p(tap: CommTap, patches: TorchPatches, modules: tuple[Any, ...]) -> None:
+def _wrap_batch_p2p(tap: TapCalls, patches: TorchPatches, modules: tuple[Any, ...]) -> None:
     original = getattr(modules[0], "batch_isend_irecv", None)
     if original is None or getattr(original, "__shardwise_tap__", False):
         return
@@ -89,7 +101,7 @@ def _wrap_batch_p2p(tap: CommTap, patches: TorchPatches, modules: tuple[Any, ...
     _set(patches, modules, "batch_isend_irecv", original, batch_isend_irecv)
 
 
-def _wrap_wait_tensor(tap: CommTap, patches: TorchPatches, funcol: Any) -> None:
+def _wrap_wait_tensor(tap: TapCalls, patches: TorchPatches, funcol: Any) -> None:
     """A functional collective completes, for its consumer's stream, at `wait_tensor`
     (AsyncCollectiveTensor calls it on first use): the end event of a device-timed one goes
     there."""

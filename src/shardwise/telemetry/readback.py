@@ -1,4 +1,5 @@
-"""Read a run's `metrics.jsonl` back into events the report can plot.
+"""Read a run's `metrics.jsonl` back into events the report can plot and `compare` can score
+(beside the event log that writes them, below both readers).
 
 The file is what a run left behind, possibly after crashes: a last line cut off mid-write, several
 launches appended (resume, elastic restart), steps that go back (rollback, restart). Reading never
