@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.data.corpus import load_text_corpus
+from tests.support.s3 import s3env, s3rver  # noqa: F401 (fixtures: a real S3 server on loopback)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -56,6 +56,7 @@ def test_host_copy_never_aliases_live_tensors():
     assert staged["nested"]["m"][1] == 3 and staged["n"] == "text"
 
 
+@pytest.mark.grid  # 15 s
 def test_async_and_sync_saves_load_to_identical_state(small_corpus, tmp_path):
     """FSDP at world 2, checkpoints at steps 2 and 4, once async and once synchronous: every
     tensor, the rng files and the file list of meta.json are the same. The async step-2 save

@@ -94,6 +94,7 @@ def test_nothing_valid_is_a_user_error_naming_the_files(pristine, small_corpus, 
         train_single(tiny_spec(small_corpus, run_dir, run={"steps": 6}), resume=True)
 
 
+@pytest.mark.grid  # 11 s
 def test_parallel_verification_at_world_2(small_corpus, tmp_path):
     """Each rank hashes its share; a flipped byte in rank 1's shard is found and named."""
     run_dir = tmp_path / "run"

@@ -7,13 +7,8 @@ as on disk. Skips, saying why, where node, s3rver or s3fs is missing. Nothing is
 from __future__ import annotations
 
 import json
-import queue
 import re
-import shutil
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,71 +19,10 @@ from shardwise.checkpoint.layout import OWNER
 from shardwise.checkpoint.storage import LOCATION_FILE, StorageSpec, open_storage
 from shardwise.errors import SpecError, UserError
 from tests.support.ranks import run_ranks
-from tests.support.specs import ROOT, tiny_spec
+from tests.support.s3 import BUCKET
+from tests.support.s3 import s3_fs as _fs
+from tests.support.specs import tiny_spec
 from tests.support.workers import train, train_single
-
-BUCKET = "ckpt"
-S3RVER = ROOT / ".ci" / "node_modules" / "s3rver" / "bin" / "s3rver.js"
-
-
-@pytest.fixture(scope="module")
-def s3rver(tmp_path_factory):
-    """An s3rver on a free loopback port with bucket `ckpt`; yields its endpoint URL."""
-    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the S3 tests need node and s3rver (.ci/run installs "
-                    "s3rver with npm)")
-    if not S3RVER.is_file():
-        pytest.skip(f"s3rver is not installed at {S3RVER}: run `npm install --prefix .ci --no-save "
-                    "s3rver@3.7.1` (as .ci/run does)")
-    data = tmp_path_factory.mktemp("s3rver")
-    proc = subprocess.Popen([node, str(S3RVER), "-d", str(data), "-a", "127.0.0.1", "-p", "0",
-                             "--silent", "--configure-bucket", BUCKET],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        port, seen, deadline = None, "", time.monotonic() + 30
-        while port is None and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            seen += line
-            found = re.search(r"listening on [\d.]+:(\d+)", line)
-            port = int(found.group(1)) if found else None
-        if port is None:
-            pytest.fail(f"s3rver did not start within 30 s: {seen!r}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture
-def s3env(s3rver, monkeypatch, tmp_path):
-    """s3rver's credentials in the environment, and nothing from the machine's AWS setup (no
-    credential files, no instance metadata lookups off loopback)."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "S3RVER")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "S3RVER")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    return s3rver
-
-
-def _fs(endpoint):
-    import s3fs
-
-    return s3fs.S3FileSystem(key="S3RVER", secret="S3RVER", endpoint_url=endpoint,
-                             use_listings_cache=False, skip_instance_cache=True)
 
 
 def events(run_dir, kind):
@@ -96,6 +30,7 @@ def events(run_dir, kind):
             if e["kind"] == kind]
 
 
+@pytest.mark.grid  # 12 s; the S3 refusals stay in the default run
 def test_two_rank_s3_run_resumes_at_another_layout(s3env, small_corpus, tmp_path):
     """FSDP at world 2 saves step 3 to s3:// (async); a single process resumes from it and its
     steps 4-6 match the uninterrupted single-process run (layout parity, 1e-5). Nothing lands in
@@ -123,6 +58,7 @@ def test_two_rank_s3_run_resumes_at_another_layout(s3env, small_corpus, tmp_path
                                torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
 
 
+@pytest.mark.grid  # 9 s
 def test_corrupted_s3_object_is_named_and_resume_falls_back(s3env, small_corpus, tmp_path,
                                                              monkeypatch, capfd):
     """A flipped byte in an object of the newest checkpoint: rejected by name, the resume takes

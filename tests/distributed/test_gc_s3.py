@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,7 +16,8 @@ from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.checkpoint.layout import META
 from shardwise.checkpoint.storage import StorageSpec, open_storage
 from shardwise.cli.main import main
-from tests.distributed.test_checkpoint_s3 import BUCKET, _fs, s3env, s3rver  # noqa: F401
+from tests.support.s3 import BUCKET
+from tests.support.s3 import s3_fs as _fs
 
 
 class Weights(nn.Module):
@@ -36,8 +38,9 @@ def keys(endpoint: str) -> set[str]:
     return set(_fs(endpoint).find(BUCKET))
 
 
+@pytest.mark.grid  # 10 s; gc's rules are unit-tested on disk
 def test_gc_on_s3_deletes_what_it_listed(request, tmp_path, capsys) -> None:
-    s3 = request.getfixturevalue("s3env")  # (the S3 tests' fixtures, imported above)
+    s3 = request.getfixturevalue("s3env")  # (tests/support/s3.py, through conftest)
     storage = saved(s3, "runs/a", (1, 2, 3), tmp_path / "a")
     saved(s3, "runs/b", (1,), tmp_path / "b")
     _fs(s3).pipe_file(f"{BUCKET}/notes.txt", b"not a checkpoint")

@@ -209,7 +209,7 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", grid(list(REFUSALS), default=("ep does not divide experts",)))
+@pytest.mark.parametrize("case", grid(list(REFUSALS), default=()))
 def test_refusals_exit_2_with_a_message(case, small_corpus, tmp_path):
     sets, needle = REFUSALS[case]
     spec = _spec(small_corpus, tmp_path / "run")

@@ -142,6 +142,7 @@ def test_embedding_options_the_split_cannot_honour_are_refused_up_front(option, 
     assert plan.tp["model.embed_tokens"] == "embedding" and not plan.tp_unavailable
 
 
+@pytest.mark.grid  # 7 s, a CLI run
 def test_a_tie_split_two_ways_is_refused_before_any_worker(small_corpus, tmp_path):
     """A plan that would split one tied tensor by row for the embedding and by column (or not
     at all) for the output projection: exit 2, one paragraph, no worker started (the run

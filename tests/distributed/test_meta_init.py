@@ -308,11 +308,12 @@ def _run(world: int, layouts: list[str], tmp_path: Path) -> None:
         assert report == {layout: [] for layout in layouts}, f"rank {rank}: {report}"
 
 
+@pytest.mark.grid  # 8 s, with the world-4 rows; the meta build's start-up memory is checked by default
 def test_local_shards_equal_the_eager_layout_at_world_2(tmp_path):
     _run(2, DEFAULT_WORLD2, tmp_path)
 
 
-@pytest.mark.grid  # world 4 is 10 s; zero3 and tp2 each run by default at world 2
+@pytest.mark.grid  # world 4, 10 s
 def test_local_shards_equal_the_eager_layout_zero3_x_tp_at_world_4(tmp_path):
     _run(4, ["zero3-2xtp2"], tmp_path)
 

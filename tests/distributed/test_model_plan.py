@@ -68,7 +68,7 @@ CASES = [
                                     "pp2-zero-bubble", "tp2xpp2")),
     *(("bag", lay) for lay in ("ddp2", "zero1-2", "zero3-2", "hsdp-2x2")),
 ]
-DEFAULT = {("tiny", "tp2+sp"), ("tiny", "pp2-1f1b"), ("tiny-tied", "tp2"),
+DEFAULT = {("tiny", "pp2-1f1b"), ("tiny-tied", "tp2"),
            ("tiny-tied", "pp2-zero-bubble"), ("gpt-tied", "tp2"),
            ("gpt-tied", "pp2-1f1b-split31"), ("bag", "zero3-2")}
 TIED = {"tiny-tied": ("embed.weight", "head.weight"),

@@ -12,6 +12,7 @@ from tests.support.specs import tiny_spec
 from tests.support.workers import train_with_slow_start
 
 
+@pytest.mark.grid  # 9 s
 @pytest.mark.timeout(120)
 def test_a_rank_slower_than_the_collective_timeout_at_start_up_fails_nothing(small_corpus,
                                                                              tmp_path):

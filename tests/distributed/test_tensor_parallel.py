@@ -113,7 +113,8 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "step"]
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
+@pytest.mark.parametrize("sequence_parallel",
+                         [True, pytest.param(False, marks=pytest.mark.grid)])
 def test_one_collective_per_block_input_and_row_parallel_output(sequence_parallel, small_corpus,
                                                                  tmp_path):
     """Per micro-batch, forward: one collective at the input of each attention, feed-forward
@@ -152,6 +153,7 @@ def reference(small_corpus, tmp_path_factory):
                                   model=MODEL))
 
 
+@pytest.mark.grid  # 12 s
 def test_activation_checkpointing_under_sequence_parallel(reference, small_corpus, tmp_path):
     """Recomputed blocks run the same hooks and collectives again: same losses as one process."""
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL,
@@ -165,7 +167,7 @@ def test_activation_checkpointing_under_sequence_parallel(reference, small_corpu
 # bf16 under FSDP x TP at world 4 runs under `grid` (the default suite checks bf16 tp2 here and in
 # test_precision_policy.py)
 @pytest.mark.parametrize(("world", "dp_shard", "sequence_parallel"),
-                         [(2, 1, True), (2, 1, False),
+                         [(2, 1, True), pytest.param(2, 1, False, marks=pytest.mark.grid),
                           pytest.param(4, 2, False, marks=pytest.mark.grid)])
 def test_bf16_tensor_parallel_tracks_bf16_single(world, dp_shard, sequence_parallel, small_corpus,
                                                  tmp_path):

@@ -61,6 +61,7 @@ def audit(*args: str, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.grid  # 8 s; the audit's arithmetic is unit-tested
 def test_a_planted_duplicate_is_found(runs, capsys):
     code, out, _ = audit(str(runs["planted"]), capsys=capsys)
     assert code == 1 and "audit: FAIL" in out

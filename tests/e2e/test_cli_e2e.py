@@ -78,6 +78,7 @@ def test_embedded_default_trains_and_resumes(tmp_path):
     assert [e["step"] for e in events(run_dir) if e["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.grid  # 14 s; the embedded default through the CLI stays in the default run
 @pytest.mark.timeout(240)
 def test_same_entry_point_under_torchrun(small_corpus, tmp_path):
     config = tmp_path / "tiny.toml"

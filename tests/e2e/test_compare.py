@@ -18,6 +18,10 @@ from shardwise.data.corpus import load_text_corpus
 from shardwise.spec import spec_from_dict, spec_to_toml
 from tests.support.specs import tiny_spec_dict
 
+#: every test here trains real runs (19 s of set-up for the module's fixture): the grid runs them;
+#: the scorecard, verdicts and refusals are unit-tested on synthetic runs (unit/test_compare.py)
+pytestmark = pytest.mark.grid
+
 TARGET = 5.7
 TRAIN_MANY = """
 import sys, shardwise

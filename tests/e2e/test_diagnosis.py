@@ -45,6 +45,7 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.grid  # 21 s; the diagnosis itself is checked on planted flight records above
 @pytest.mark.timeout(200)
 def test_planted_hang_is_reported_with_the_rank(small_corpus, tmp_path):
     config = _config(small_corpus, tmp_path, "hang:rank=1:step=3:phase=forward")
@@ -114,5 +115,8 @@ def test_planted_slow_rank_is_named_as_straggler(small_corpus, tmp_path):
     # per-rank step times hide it (collectives equalise them); compute time shows it
     last = steps[-1]
     assert last["compute_s_per_rank"][1] > last["compute_s_per_rank"][0] + 0.08
-    assert abs(last["step_time_s_per_rank"][1] - last["step_time_s_per_rank"][0]) < 0.06
+    # without that equalising the step times would differ by the planted 120 ms; the median over
+    # the steps, so one step of a rank descheduled on a loaded machine does not decide it
+    gaps = sorted(abs(e["step_time_s_per_rank"][1] - e["step_time_s_per_rank"][0]) for e in steps)
+    assert gaps[len(gaps) // 2] < 0.06, gaps
     assert "rank 1 is a straggler" in (last["straggler"] or "")

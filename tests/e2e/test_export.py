@@ -19,7 +19,8 @@ from tests.support.workers import train
 
 @pytest.mark.parametrize(("layout", "world", "parallel", "model"), [
     ("zero3-2", 2, {"dp_shard": 2}, {}),
-    ("tp2", 2, {"tp": 2, "dp_shard": 1}, {"tie_embeddings": False}),
+    pytest.param("tp2", 2, {"tp": 2, "dp_shard": 1}, {"tie_embeddings": False},
+                 marks=pytest.mark.grid),
 ])
 def test_export_equals_the_runs_parameters(layout, world, parallel, model, small_corpus, tmp_path,
                                            capsys):

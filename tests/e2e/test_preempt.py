@@ -62,6 +62,7 @@ def reference(small_corpus, tmp_path_factory) -> RunOutcome:
     return run_layout("ref", _spec(_config(small_corpus, tmp), run_dir, []), run_dir)
 
 
+@pytest.mark.grid  # 30 s; a signal during the final save stays in the default run
 @pytest.mark.timeout(180)
 def test_signal_to_one_rank_stops_all_and_resumes_bitwise(reference, small_corpus, tmp_path):
     """SIGUSR1 reaches rank 1 only, during step 4: both ranks agree to stop after step 5 (the

@@ -336,6 +336,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.grid  # 18 s; the synthetic reports stay in the default run
 @pytest.mark.timeout(240)
 def test_real_two_rank_run_report_and_sinks(small_corpus, tmp_path, capsys):
     fake = tmp_path / "fake"

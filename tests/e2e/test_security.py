@@ -104,6 +104,7 @@ def local_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> L
     return run
 
 
+@pytest.mark.grid  # reads `local_run` (18 s of set-up)
 @pytest.mark.timeout(200)
 def test_a_local_run_listens_on_loopback_only(local_run: LocalRun) -> None:
     """The launcher's rendezvous store and the workers' gloo groups: every listening socket of
@@ -125,6 +126,7 @@ def test_verify_launches_listen_on_loopback_only(small_corpus: Path, tmp_path: P
     _assert_loopback_only(run)
 
 
+@pytest.mark.grid  # reads `local_run` (18 s of set-up)
 @pytest.mark.timeout(200)
 def test_every_file_a_run_writes_follows_the_umask(local_run: LocalRun) -> None:
     """spec.toml, the manifests, meta.json, traces (atomic writes, before 0600) and the shards

@@ -71,9 +71,9 @@ def test_a_tolerance_the_layout_cannot_meet_fails(small_corpus, tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--layouts", "dp1,zero3-4"],
-    ["--layouts", "dp1", "--restart-at", "2", "--resume-layout", "zero3-4"],
-], ids=["layout", "resume-layout"])
+    pytest.param(["--layouts", "dp1,zero3-4"], id="layout"),
+    pytest.param(["--layouts", "dp1", "--restart-at", "2", "--resume-layout", "zero3-4"],
+                 id="resume-layout", marks=pytest.mark.grid)])
 def test_every_layout_is_checked_before_any_trains(small_corpus, tmp_path, args):
     """zero3-4 needs global_batch to be a multiple of micro_batch 8 x dp 4 = 32; dp1 (first) could
     run. The refusal comes before dp1 trains: exit 2, the layout named, no run directory."""
