@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -40,13 +41,26 @@ def params(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)["model"]
 
 
-def test_register_branch_and_chain(small_corpus, tmp_path, capsys) -> None:
+#: a tiny Llama built from its config by transformers (offline): the same commands on a
+#: Hugging Face model
+HF_LLAMA = {"family": "hf", "hf_config": {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("model", [pytest.param(None, id="gpt"),
+                                   pytest.param(HF_LLAMA, id="hf-llama", marks=pytest.mark.grid)])
+def test_register_branch_and_chain(model, small_corpus, tmp_path, capsys, monkeypatch) -> None:
     run = tmp_path / "run"
     config = tmp_path / "tiny.toml"
-    config.write_text(spec_to_toml(spec_from_dict(tiny_spec_dict(
-        small_corpus, run, run={"steps": 4, "stop_at": 2},
-        eval={"every": 2}, checkpoint={"enabled": True, "every": 2, "keep_last": 1,
-                                       "async_save": False})).validate()))
+    data = tiny_spec_dict(small_corpus, run, run={"steps": 4, "stop_at": 2},
+                          eval={"every": 2}, checkpoint={"enabled": True, "every": 2,
+                                                         "keep_last": 1, "async_save": False})
+    if model is not None:
+        pytest.importorskip("transformers")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        data["model"] = model
+    config.write_text(spec_to_toml(spec_from_dict(data).validate()))
     assert cli(capsys, "train", str(config))[0] == 0
     code, out, _ = cli(capsys, "register", str(run), "--name", "early")
     assert code == 0 and "as 'early'" in out and "held-out loss" in out
