@@ -183,3 +183,20 @@ def test_preempt_signals_are_validated():
         load_spec(None, ["failure.preempt_grace_s=0"])
     assert load_spec(None, ['failure.preempt_signals=""']).failure.preempt_signals == ""
 
+
+
+def test_checkpoints_disabled_means_none_even_at_a_preemption(small_corpus, tmp_path):
+    """#26 item 11: `checkpoint.enabled = false` saves nothing — not at the end, not when a
+    preemption stops the run (it used to save then): the run stops, says so, and writes no
+    checkpoint."""
+    from tests.support.specs import tiny_spec
+    from tests.support.workers import train_single
+
+    run_dir = tmp_path / "run"
+    spec = tiny_spec(small_corpus, run_dir, run={"steps": 6}, checkpoint={"enabled": False},
+                     failure={"faults": "signal:rank=0:step=2:sig=SIGUSR1"})
+    result = train_single(spec)
+    (event,) = _events(run_dir, "preempted")
+    assert event["signal"] == "SIGUSR1" and not event["checkpoint"]
+    assert len(result["losses"]) == event["step"] < 6
+    assert not list(run_dir.glob("checkpoints/step-*")) and not _events(run_dir, "checkpoint")
