@@ -19,19 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 
 from shardwise.models.plan import ModelPlan
 
-#: parallel.pp_schedule -> the torch.distributed.pipelining schedule class that runs it
 SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleZBVZeroBubble",
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleZBVZeroBubble,
 }
-#: schedules that take one stage per rank (the others a list)
-SINGLE_STAGE = ("gpipe", "1f1b")
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, split: Sequence[int] = ()) -> list[int]:
@@ -92,17 +96,13 @@ class Pipeline:
     def __init__(self, parts: list[nn.Module], ids: list[int], n_stages: int, schedule: str,
                  n_microbatches: int, pp_mesh: DeviceMesh, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        # imported here, not at the top: torch.distributed.pipelining imports torch._dynamo,
-        # about a second of every worker's start-up, and only pipeline-parallel runs need it
-        from torch.distributed.pipelining import PipelineStage, schedules
-
         group = pp_mesh.get_group()
         self.stages = [PipelineStage(part, sid, n_stages, device, group=group)
                        for part, sid in zip(parts, ids, strict=True)]
         self.has_first = 0 in ids
         self.has_last = n_stages - 1 in ids
-        cls = getattr(schedules, SCHEDULES[schedule])
-        arg = self.stages[0] if schedule in SINGLE_STAGE else self.stages
+        cls = SCHEDULES[schedule]
+        arg = self.stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else self.stages
         # scale_grads=False: our loss is already normalised by the step's global token count.
         self.schedule = cls(arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
