@@ -61,7 +61,6 @@ def audit(*args: str, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-@pytest.mark.grid  # 8 s; the audit's arithmetic is unit-tested
 def test_a_planted_duplicate_is_found(runs, capsys):
     code, out, _ = audit(str(runs["planted"]), capsys=capsys)
     assert code == 1 and "audit: FAIL" in out
@@ -83,6 +82,7 @@ def test_a_clean_run_passes_and_the_report_shows_it(runs, capsys):
     result = json.loads(out)
     assert code == 0 and result["passed"] is True and result["exact"] == []
     assert result["trained"]["samples_recorded"] == 64 and result["trained"]["steps"] == 8
+    assert audit(str(runs["planted"]), capsys=capsys)[0] == 1  # (whichever test ran first)
     assert main(["report", str(runs["clean"]), str(runs["planted"]), "--out",
                  str(runs["clean"].parent / "report")]) == 0
     capsys.readouterr()
