@@ -13,6 +13,7 @@ With dp_replicate > 1 and zero >= 2 the mesh is 2-D: HSDP (shard within, replica
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -254,31 +255,45 @@ class Zero1Optimizer:
     # Flattened, FQN-keyed state like torch's get_optimizer_state_dict(flatten=True), so that a
     # checkpoint of any zero stage loads into any other.
     def state_dict(self) -> dict:
-        if not self.optimizer.state:
-            _init_state(self.optimizer)
-        out: dict = {}
-        by_param = {id(p): name for name, p in self.shards.items()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                name = by_param[id(p)]
-                for key, value in self.optimizer.state[p].items():
-                    out[f"state.{name}.{key}"] = value
-                for key, value in group.items():
-                    if key != "params":
-                        out[f"param_groups.{name}.{key}"] = value
-        return out
+        return flat_state_dict(self.optimizer, self.shards)
 
     def load_state_dict(self, state: dict) -> None:
-        by_param = {id(p): name for name, p in self.shards.items()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                name = by_param[id(p)]
-                for key in list(self.optimizer.state[p]):
-                    self.optimizer.state[p][key] = state[f"state.{name}.{key}"]
+        load_flat_state_dict(self.optimizer, self.shards, state)
         with torch.no_grad():  # the master shards follow the (already loaded) model parameters
             for name, p in self.named:
                 master = cast(DTensor, self.shards[name])  # a Parameter around `_master`'s DTensor
                 master.to_local().copy_(self._master(name, p.detach()).to_local())
+
+
+def flat_state_dict(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]
+                    ) -> dict[str, Any]:
+    """`optimizer`'s state of `params` (name -> the tensor it steps) flattened and keyed by name
+    like torch's get_optimizer_state_dict(flatten=True), so that a checkpoint of any zero stage
+    (and of the distributed optimizer, `flat_dp`) loads into any other."""
+    if not optimizer.state:
+        _init_state(optimizer)
+    out: dict[str, Any] = {}
+    by_param = {id(p): name for name, p in params.items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = by_param[id(p)]
+            for key, value in optimizer.state[p].items():
+                out[f"state.{name}.{key}"] = value
+            for key, value in group.items():
+                if key != "params":
+                    out[f"param_groups.{name}.{key}"] = value
+    return out
+
+
+def load_flat_state_dict(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor],
+                         state: Mapping[str, Any]) -> None:
+    """The inverse of `flat_state_dict`, in place (the state exists: DCP loaded into it)."""
+    by_param = {id(p): name for name, p in params.items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = by_param[id(p)]
+            for key in list(optimizer.state[p]):
+                optimizer.state[p][key] = state[f"state.{name}.{key}"]
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:

@@ -228,29 +228,14 @@ class DistributedOptimizer:
 
     # --- checkpoints: flattened and FQN-keyed like torch's, as `Zero1Optimizer` ------------------
     def state_dict(self) -> dict[str, Any]:
-        from shardwise.parallel.data_parallel import _init_state
+        from shardwise.parallel.data_parallel import flat_state_dict
 
-        if not self.optimizer.state:
-            _init_state(self.optimizer)
-        out: dict[str, Any] = {}
-        by_param = {id(p): name for name, p in self.masters.items()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                name = by_param[id(p)]
-                for key, value in self.optimizer.state[p].items():
-                    out[f"state.{name}.{key}"] = value
-                for key, value in group.items():
-                    if key != "params":
-                        out[f"param_groups.{name}.{key}"] = value
-        return out
+        return flat_state_dict(self.optimizer, self.masters)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        by_param = {id(p): name for name, p in self.masters.items()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                name = by_param[id(p)]
-                for key in list(self.optimizer.state[p]):
-                    self.optimizer.state[p][key] = state[f"state.{name}.{key}"]
+        from shardwise.parallel.data_parallel import load_flat_state_dict
+
+        load_flat_state_dict(self.optimizer, self.masters, state)
         with torch.no_grad():  # the masters follow the (already loaded) model parameters
             for s in self.slices:
                 master = cast(DTensor, self.masters[s.name])
