@@ -35,7 +35,13 @@ from shardwise.spec.model import ModelSection
 from shardwise.verify.layouts import parse_layout
 from tests.support.compare import assert_model_close, assert_ranks_match_reference
 from tests.support.ranks import run_ranks
-from tests.support.specs import grid, tiny_spec
+from tests.support.specs import (
+    WHOLE_SPLIT_DATA,
+    WHOLE_SPLIT_EVAL,
+    grid,
+    held_out_sequences,
+    tiny_spec,
+)
 from tests.support.workers import train, train_single
 
 # (batch, query heads, K/V heads, sequence length as a multiple of 2N, head dim)
@@ -105,12 +111,17 @@ def test_ring_attention_matches_dense(world):
 # --- through the trainer: cp layouts against the single-process run ---------------------------
 MODEL = {"n_layers": 4, "tie_embeddings": False}
 OPTIM = {"lr": 2e-3, "min_lr": 2e-4}  # as test_parity_grid: AdamW's amplification below 1e-5
-EVAL = {"batches": 1000}  # the whole validation split, with a short last micro-batch
 
 
 def _eval(seq_len: int) -> dict:
     """The whole split at the usual length; 4 batches of the shortest (thousands of sequences)."""
-    return EVAL if seq_len >= 32 else {"batches": 4}
+    return WHOLE_SPLIT_EVAL if seq_len >= 32 else {"batches": 4}
+
+
+def _data(seq_len: int) -> dict:
+    """The whole-split held-out fraction at the usual length (its odd sequence count checked by
+    the reference), the default at the shortest."""
+    return {"seq_len": seq_len, **(WHOLE_SPLIT_DATA if seq_len >= 32 else {})}
 
 LAYOUTS = {
     "cp2": (2, {"cp": 2, "dp_shard": 1}, 32),
@@ -145,7 +156,9 @@ def references(small_corpus, tmp_path_factory):
         if seq_len not in cache:
             spec = tiny_spec(small_corpus, tmp_path_factory.mktemp(f"ref{seq_len}") / "run",
                              model=MODEL, optimizer=OPTIM, eval=_eval(seq_len),
-                             data={"seq_len": seq_len})
+                             data=_data(seq_len))
+            if seq_len >= 32:  # a short last micro-batch, unequal shares
+                assert held_out_sequences(spec) % 2 == 1
             cache[seq_len] = train_single(spec)
         return cache[seq_len]
     return reference
@@ -156,7 +169,7 @@ def test_cp_layout_matches_single_process(layout, references, small_corpus, tmp_
     world, parallel, seq_len = LAYOUTS[layout]
     reference = references(seq_len)
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, optimizer=OPTIM,
-                     eval=_eval(seq_len), data={"seq_len": seq_len},
+                     eval=_eval(seq_len), data=_data(seq_len),
                      parallel={**parallel, "nproc": world})
     results = run_ranks(train, world, spec, timeout=240)
     assert_ranks_match_reference(results, reference)

@@ -23,6 +23,7 @@ from tests.support.cli import shardwise  # noqa: E402
 from tests.support.hf import export_round_trip  # noqa: E402
 from tests.support.ranks import run_ranks  # noqa: E402
 from tests.support.specs import grid, tiny_spec, tiny_spec_dict  # noqa: E402
+from tests.support.verify import verify_pooled  # noqa: E402
 from tests.support.workers import train, train_single  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -112,19 +113,26 @@ VERIFY = {
 }
 
 
-def _verify(corpus, tmp_path, name: str, layouts: str, *extra: str) -> str:
+def _config(corpus, tmp_path, name: str) -> Path:
     spec = spec_from_dict(tiny_spec_dict(corpus, tmp_path / "unused", **hf_model(name)))
     config = tmp_path / "spec.toml"
     config.write_text(spec_to_toml(spec))
-    # AdamW's first steps move an element by about lr * sign(gradient), so an element whose
-    # gradient is almost zero (an unseen token's output row, say) flips with fp32 summation order
-    # and differs by up to 2 lr between layouts: with eps = 1e-8 that alone is a relative
-    # parameter difference of ~2e-5 at lr 1e-2 on these tiny HF models (freshly initialised
-    # with std 0.02). eps = 1e-5 keeps such elements linear in their gradient, so what is compared
-    # is the layouts' arithmetic (~1e-7), not that amplification; invariant mode, compared
-    # bitwise below, needs no such care.
-    proc = shardwise("verify", str(config), "--layouts", layouts, "--steps", "3",
-                     "--out", str(tmp_path / "runs"), "--set", "optimizer.eps=1e-5", *extra,
+    return config
+
+
+# AdamW's first steps move an element by about lr * sign(gradient), so an element whose gradient
+# is almost zero (an unseen token's output row, say) flips with fp32 summation order and differs
+# by up to 2 lr between layouts: with eps = 1e-8 that alone is a relative parameter difference of
+# ~2e-5 at lr 1e-2 on these tiny HF models (freshly initialised with std 0.02). eps = 1e-5 keeps
+# such elements linear in their gradient, so what is compared is the layouts' arithmetic (~1e-7),
+# not that amplification; invariant mode, compared bitwise below, needs no such care.
+EPS = "optimizer.eps=1e-5"
+
+
+def _verify(corpus, tmp_path, name: str, layouts: str, *extra: str) -> str:
+    """Through the CLI, as a user runs it."""
+    proc = shardwise("verify", str(_config(corpus, tmp_path, name)), "--layouts", layouts,
+                     "--steps", "3", "--out", str(tmp_path / "runs"), "--set", EPS, *extra,
                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verify: PASS" in proc.stdout
@@ -133,16 +141,19 @@ def _verify(corpus, tmp_path, name: str, layouts: str, *extra: str) -> str:
 
 @pytest.mark.parametrize("name", grid(list(VERIFY), default=()))
 def test_verify_layout_grid(name, small_corpus, tmp_path):
-    out = _verify(small_corpus, tmp_path, name, VERIFY[name])
-    for layout in VERIFY[name].split(",")[1:]:  # every layout ran and has its row
-        assert any(line.split()[:1] == [layout] for line in out.splitlines()), (layout, out)
+    """verify's comparison of every layout with dp1 (losses and the parameter vector within
+    1e-5, the ledger exact), the layouts trained in the pooled ranks (tests/support/verify.py)."""
+    rows = verify_pooled(_config(small_corpus, tmp_path, name), VERIFY[name], tmp_path / "runs",
+                         EPS)
+    assert [r.name for r in rows] == VERIFY[name].split(",")[1:]
 
 
 @pytest.mark.grid
 @pytest.mark.timeout(600)
 def test_a_hugging_face_model_through_a_three_d_layout(small_corpus, tmp_path):
     """The seed's own layout at small scale on a Hugging Face model: ZeRO-1 (the distributed
-    optimizer) x tp2 x pp2 at world 8, against the single process."""
+    optimizer) x tp2 x pp2 at world 8, against the single process, through `shardwise verify`
+    as a user runs it (the CLI row of the Hugging Face families)."""
     layout = "zero1-2+tp2+pp2-1f1b"
     out = _verify(small_corpus, tmp_path, "qwen3", f"dp1,{layout}")
     (row,) = [line for line in out.splitlines() if line.split()[:1] == [layout]]
@@ -152,11 +163,9 @@ def test_a_hugging_face_model_through_a_three_d_layout(small_corpus, tmp_path):
 @pytest.mark.grid
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_invariant_bitwise_across_data_parallel_degrees(name, small_corpus, tmp_path):
-    out = _verify(small_corpus, tmp_path, name, "dp1,ddp2,zero1-2,zero3-2,hsdp-2x2",
-                  "--set", 'run.determinism="invariant"')
-    rows = [line for line in out.splitlines() if line.split()[:1] and line.split()[0] in
-            ("ddp2", "zero1-2", "zero3-2", "hsdp-2x2")]
-    assert len(rows) == 4 and all(" yes " in row for row in rows), out
+    rows = verify_pooled(_config(small_corpus, tmp_path, name), "dp1,ddp2,zero1-2,zero3-2,hsdp-2x2",
+                         tmp_path / "runs", EPS, 'run.determinism="invariant"')
+    assert len(rows) == 4 and all(r.bitwise for r in rows), rows
 
 
 # --- ties ---------------------------------------------------------------------------------------

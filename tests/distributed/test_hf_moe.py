@@ -26,6 +26,7 @@ from tests.support.compare import assert_params_close  # noqa: E402
 from tests.support.hf import export_round_trip  # noqa: E402
 from tests.support.ranks import run_ranks  # noqa: E402
 from tests.support.specs import grid, tiny_spec_dict  # noqa: E402
+from tests.support.verify import verify_pooled  # noqa: E402
 from tests.support.workers import train, train_single  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -133,25 +134,34 @@ VERIFY = {
 }
 
 
-@pytest.mark.parametrize("name", grid(list(VERIFY), default=()))  # 17-40 s each
+CLI_ROW = "ep"  # through `shardwise verify` as a user runs it; the others in the pooled ranks
+
+
+@pytest.mark.parametrize("name", grid(list(VERIFY), default=()))
 def test_verify_expert_parallel(name, small_corpus, tmp_path):
-    """`shardwise verify` (parameters after 3 steps of every layout against dp1, rtol 1e-5),
-    and a tighter bound on the relative parameter difference than verify's own."""
+    """verify's comparison (parameters after 3 steps of every layout against dp1, rtol 1e-5, the
+    ledger exact), and a tighter bound on the relative parameter difference than verify's own.
+    One row runs the CLI; the rest train in the pooled ranks (tests/support/verify.py)."""
     if name == "tensor" and "tokens" not in TP_STYLES:
         pytest.skip("this shardwise has no `tokens` tensor-parallel style: tp with experts is "
                     "refused")
     config = tmp_path / "spec.toml"
     config.write_text(spec_to_toml(_spec(small_corpus, tmp_path / "unused")))
+    layouts = VERIFY[name].split(",")[1:]
+    if name != CLI_ROW:
+        rows = verify_pooled(config, VERIFY[name], tmp_path / "runs", "optimizer.eps=1e-5")
+        assert [r.name for r in rows] == layouts
+        assert all(r.rel_dparam < 1e-6 for r in rows), rows  # (measured: ~1e-7)
+        return
     proc = shardwise("verify", str(config), "--layouts", VERIFY[name], "--steps", "3",
                      "--out", str(tmp_path / "runs"), "--set", "optimizer.eps=1e-5",
                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verify: PASS" in proc.stdout
-    layouts = VERIFY[name].split(",")[1:]
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
-            if line.split()[:1] and line.split()[0] in layouts}
-    assert sorted(rows) == sorted(layouts), proc.stdout
-    for row in rows.values():
+    table = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+             if line.split()[:1] and line.split()[0] in layouts}
+    assert sorted(table) == sorted(layouts), proc.stdout
+    for row in table.values():
         assert float(row[3]) < 1e-6, proc.stdout  # ‖Δparam‖/‖p‖ (measured: ~1e-7)
 
 

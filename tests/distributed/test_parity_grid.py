@@ -18,7 +18,13 @@ from shardwise.parallel.accounting import zero_formula_bytes
 from shardwise.parallel.support import torch_version
 from tests.support.compare import assert_params_close, assert_ranks_match_reference
 from tests.support.ranks import run_ranks
-from tests.support.specs import grid, tiny_spec
+from tests.support.specs import (
+    WHOLE_SPLIT_DATA,
+    WHOLE_SPLIT_EVAL,
+    grid,
+    held_out_sequences,
+    tiny_spec,
+)
 from tests.support.workers import train, train_single
 
 MODEL = {"n_layers": 4, "tie_embeddings": False}
@@ -68,7 +74,8 @@ FLAT_DP = {name for name, (_, p) in GRID.items() if p.get("zero", 3) <= 1
            and (p.get("tp", 1) > 1 or p.get("pp", 1) > 1)}
 
 
-EVAL = {"batches": 1000}  # more than the split holds: all of it, with a short last micro-batch
+EVAL = WHOLE_SPLIT_EVAL  # more than the split holds: all of it, with a short last micro-batch
+DATA = WHOLE_SPLIT_DATA
 # (FSDP x TP, TP x PP and pipeline x FSDP products run by default in test_model_plan.py and
 # through `verify` in test_verify.py; HSDP in test_parity.py)
 DEFAULT_ROWS = ("zero1-2", "zero3-2", "pp2-1f1b",  # tp2+sp: test_model_plan, test_tensor_parallel
@@ -78,7 +85,8 @@ DEFAULT_ROWS = ("zero1-2", "zero3-2", "pp2-1f1b",  # tp2+sp: test_model_plan, te
 @pytest.fixture(scope="module")
 def reference(small_corpus, tmp_path_factory):
     spec = tiny_spec(small_corpus, tmp_path_factory.mktemp("ref") / "run", model=MODEL,
-                     optimizer=OPTIM, eval=EVAL)
+                     optimizer=OPTIM, eval=EVAL, data=DATA)
+    assert held_out_sequences(spec) % 2 == 1  # a short last micro-batch, unequal shares
     return train_single(spec)
 
 
@@ -88,7 +96,7 @@ def test_layout_matches_single_process(layout, reference, small_corpus, tmp_path
         pytest.skip("zero-bubble over gloo needs torch >= 2.13 (refused before: parallel/support.py)")
     world, parallel = GRID[layout]
     spec = tiny_spec(small_corpus, tmp_path / "run", model=MODEL, optimizer=OPTIM, eval=EVAL,
-                     parallel={**parallel, "nproc": world})
+                     data=DATA, parallel={**parallel, "nproc": world})
     results = run_ranks(train, world, spec, timeout=120)
     assert_ranks_match_reference(results, reference)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05

@@ -12,6 +12,7 @@ from shardwise.errors import UserError
 from shardwise.spec import spec_from_dict, spec_to_toml
 from shardwise.verify.layouts import parse_layout
 from tests.support.specs import tiny_spec_dict
+from tests.support.verify import verify_pooled
 
 
 @pytest.mark.parametrize(("name", "world", "expect"), [
@@ -107,7 +108,7 @@ def test_tensor_and_pipeline_layouts_pass_with_an_exact_ledger(small_corpus, tmp
 
 RESUME_SCHEDULES = [
     pytest.param(schedule, tied, id=f"{schedule}-{'tied' if tied else 'untied'}",
-                 marks=pytest.mark.grid)  # 16 s each; verify --restart-at runs in the default
+                 marks=pytest.mark.grid)  # the CLI's --restart-at: test_invariant_layouts_and_restart…
     for schedule in ("zero-bubble", "1f1b", "gpipe", "interleaved") for tied in (True, False)]
 
 
@@ -118,11 +119,14 @@ def test_resume_into_every_pipeline_schedule(small_corpus, tmp_path, schedule, t
     untied, ends where the uninterrupted single process does. Before, resuming into the
     zero-bubble V with tied embeddings trained another model (‖Δp‖/‖p‖ 4.3e-3): the first and
     last stage's copies of the tied tensor sit on one rank, and after a load both optimizers
-    stepped one shared AdamW state, twice per step."""
-    proc = _verify(small_corpus, tmp_path, "--layouts", "dp1", "--steps", "4",
-                   "--restart-at", "2", "--resume-layout", f"pp2-{schedule}",
-                   "--set", f"model.tie_embeddings={'true' if tied else 'false'}",
-                   "--set", "model.n_layers=4", "--set", "optimizer.lr=2e-3")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("dp1@2")]
-    assert "exact" in row and row.endswith("ok"), row
+    stepped one shared AdamW state, twice per step. verify's comparison, the runs in the pooled
+    ranks (tests/support/verify.py); the CLI's `--restart-at` runs in
+    test_invariant_layouts_and_restart_pass_bitwise."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(spec_to_toml(spec_from_dict(tiny_spec_dict(small_corpus, tmp_path / "unused"))
+                                   .validate()))
+    (row,) = verify_pooled(config, "dp1", tmp_path / "verify",
+                           f"model.tie_embeddings={'true' if tied else 'false'}",
+                           "model.n_layers=4", "optimizer.lr=2e-3", steps=4, restart_at=2,
+                           resume_layout=f"pp2-{schedule}")
+    assert row.name == f"dp1@2->pp2-{schedule}" and row.ledger_exact and row.passed, row

@@ -11,7 +11,7 @@ import torch
 from shardwise.checkpoint.state import full_model_state
 from shardwise.run import rundir
 from shardwise.run.trainer import Trainer
-from shardwise.run.worker import run_worker
+from shardwise.run.worker import dump_final_state, run_worker
 from shardwise.spec import RunSpec
 
 
@@ -52,6 +52,13 @@ def train_many(store: Any, specs: list[RunSpec]) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         rundir.write_spec(run_dir, spec)
         run_worker(spec, run_dir, store=dist.PrefixStore(f"run-{i}/", store), ui=False)
+
+
+def train_and_dump(store: Any, spec: RunSpec, resume: bool = False) -> None:
+    """Train a fresh run as a worker of `shardwise verify` does (`--dump-state`): rank 0 writes
+    the final parameters and optimizer state to the run directory (tests/support/verify.py)."""
+    run_worker(spec, Path(spec.run.dir), resume=resume, store=store, ui=False,
+               after_fit=dump_final_state)
 
 
 def train_single(spec: RunSpec, resume: bool = False) -> dict[str, Any]:
