@@ -9,6 +9,7 @@ single-process run (losses and final parameters, buffers included, within 1e-5 r
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -212,6 +213,14 @@ LAYOUTS = {
                         {"optimizer": {"eps": 1e-6}}),
     "cp2+ddp2+ep2": (4, {"dp_replicate": 2, "dp_shard": 1, "cp": 2, "ep": 2}, {},
                      {"optimizer": {"eps": 1e-6}}),
+    # capacity routing drops by the whole micro-batch's token order across the cp ranks
+    "cp2-capacity": (2, {"dp_shard": 1, "cp": 2},
+                     {"moe_routing": "capacity", "moe_capacity_factor": 1.0},
+                     {"optimizer": {"eps": 1e-6}}),
+    "cp2+zero3-2+ep2-capacity": (4, {"dp_shard": 2, "cp": 2, "ep": 2},
+                                 {"moe_routing": "capacity", "moe_capacity_factor": 1.0,
+                                  "moe_shared_expert": True},
+                                 {"optimizer": {"eps": 1e-6}}),
 }
 _REFERENCES: dict[str, dict] = {}
 
@@ -224,9 +233,16 @@ def _reference(corpus, tmp_path_factory, model: dict, optimizer: dict | None = N
     key = repr((sorted(model.items()), sorted((optimizer or {}).items())))
     if key not in _REFERENCES:
         extra = {"optimizer": optimizer} if optimizer else {}
-        _REFERENCES[key] = train_single(_moe_spec(corpus, tmp_path_factory.mktemp("ref") / "run",
-                                                  model, **extra))
+        run_dir = tmp_path_factory.mktemp("ref") / "run"
+        _REFERENCES[key] = {**train_single(_moe_spec(corpus, run_dir, model, **extra)),
+                            "run_dir": run_dir}
     return _REFERENCES[key]
+
+
+def _dropped(run_dir) -> list[int]:
+    """The assignments capacity routing dropped at each logged step (all layers, all ranks)."""
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [e["moe_dropped"] for e in events if "moe_dropped" in e]
 
 
 @pytest.mark.parametrize("layout", grid(LAYOUTS, default=("cp2+ep2", "tp2+sp")))
@@ -242,6 +258,9 @@ def test_moe_layout_matches_single_process(layout, small_corpus, tmp_path, tmp_p
                                rtol=1e-5, atol=0)
     assert_params_close(got["params"], ref["params"], rtol=1e-5)
     assert ref["losses"][-1] < ref["losses"][0] - 0.1
+    if model.get("moe_routing") == "capacity":  # the same assignments dropped, and some were
+        assert _dropped(tmp_path / "run") == _dropped(ref["run_dir"])
+        assert sum(_dropped(ref["run_dir"])) > 0
 
 
 # --- expert parallel ------------------------------------------------------------------------------

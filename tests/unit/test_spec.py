@@ -356,8 +356,6 @@ def test_cli_expert_parallel_needs_experts(capsys, tiny_toml):
     (["model.moe_experts=6", "parallel.ep=4"], "ep = 4 does not divide the model's 6 experts"),
     (["parallel.ep=2", "parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1",
       "parallel.zero=0"], "not available yet"),
-    (["model.moe_routing=\"capacity\"", "model.moe_capacity_factor=1.0", "parallel.cp=2",
-      "parallel.dp_shard=2"], "capacity routing"),
 ])
 def test_cli_bad_expert_layouts(capsys, small_corpus, tmp_path, sets, message):
     moe = {"family": "moe-gpt", "moe_experts": 4, "moe_top_k": 2}

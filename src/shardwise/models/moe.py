@@ -19,7 +19,9 @@ Balancing (`model.moe_balance`):
   gradient, and the same update on every layout since it sees the global load.
 Routing (`model.moe_routing`): "dropless" (default), or "capacity": each expert takes at most
 ceil(factor * tokens * k / E) of a micro-batch's assignments, first come (token order) first
-served; the rest are dropped (that expert adds nothing for them) and counted.
+served; the rest are dropped (that expert adds nothing for them) and counted. Under context
+parallel "first come" is the whole micro-batch's order: the cp ranks gather each other's
+assignments (indices only) and each keeps exactly the ones the single process keeps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,18 @@ from shardwise.models.gpt import (
 from shardwise.models.plan import ModelPlan
 from shardwise.shape import ModelShape
 from shardwise.spec.model import MoeGptFields
+
+
+class WholeSequence(Protocol):
+    """Context parallel's view of the whole sequence (`parallel.context.SequenceSplit`)."""
+
+    active: bool
+    rank: int
+    size: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, t: torch.Tensor) -> torch.Tensor: ...
+    def token_index(self, rows: int, local_len: int, device: torch.device) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -125,13 +140,13 @@ class MoEFeedForward(nn.Module):
         self.register_buffer("step_load", torch.zeros(e, dtype=torch.int64), persistent=False)
         self.register_buffer("step_stats", torch.zeros(3, dtype=torch.float64), persistent=False)
         # under context parallel: sums over the cp ranks, which hold the rest of each sequence
-        self._sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._sum_over_sequence: WholeSequence | None = None
 
-    def shardwise_sequence_split(self, sum_over_sequence: Callable[[torch.Tensor], torch.Tensor]
-                                 ) -> None:
+    def shardwise_sequence_split(self, split: WholeSequence) -> None:
         """Context parallel splits each sequence over ranks; the balancing loss's assignment
-        fractions are then summed over them (`shardwise.parallel.context`)."""
-        self._sum_over_sequence = sum_over_sequence
+        fractions are then summed over them, and capacity routing drops by the whole sequence's
+        order (`shardwise.parallel.context`)."""
+        self._sum_over_sequence = split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -147,7 +162,13 @@ class MoEFeedForward(nn.Module):
         counts = torch.bincount(assigned, minlength=e)
         order = assigned.argsort(stable=True)  # by expert, token order within each
         kept = counts
-        if self.cfg.capacity_factor > 0:
+        split = self._sum_over_sequence
+        if self.cfg.capacity_factor > 0 and split is not None and split.active:
+            rows = shape[0] if x.dim() == 3 else 1  # (B, T, d): B sequences of T local tokens
+            whole = math.ceil(self.cfg.capacity_factor * n * split.size * k / e)
+            order, kept = _apply_capacity_over_sequence(order, assigned, k, e, whole, split,
+                                                        rows, n // rows)
+        elif self.cfg.capacity_factor > 0:
             order, kept = _apply_capacity(order, assigned, counts,
                                           math.ceil(self.cfg.capacity_factor * n * k / e))
         token = order // k
@@ -283,3 +304,26 @@ class MoEGPT(GPT):
 
 def build_moe_gpt(model: MoeGptFields, vocab_size: int, seq_len: int) -> MoEGPT:
     return MoEGPT(MoEConfig.from_fields(model, vocab_size=vocab_size, seq_len=seq_len))
+
+
+def _apply_capacity_over_sequence(order: torch.Tensor, assigned: torch.Tensor, k: int, e: int,
+                                  capacity: int, split: WholeSequence, rows: int,
+                                  local_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_apply_capacity` when context parallel holds each sequence on several ranks: an
+    assignment's place in its expert's queue is counted over the whole micro-batch (token order
+    of the full sequences, then the k slots), from every cp rank's assignments (gathered: indices
+    only), so each rank keeps exactly the assignments the single process keeps. `capacity` is
+    the whole micro-batch's."""
+    slots = torch.arange(k, device=assigned.device)
+    key = (split.token_index(rows, local_len, assigned.device).unsqueeze(1) * k
+           + slots).reshape(-1)  # each assignment's number in the whole micro-batch
+    keys, experts = split.gather(key).reshape(-1), split.gather(assigned).reshape(-1)
+    by_expert = (experts * (int(keys.max()) + 1) + keys).argsort()
+    counts = torch.bincount(experts, minlength=e)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.empty_like(by_expert)
+    place[by_expert] = torch.arange(by_expert.numel(), device=place.device) \
+        - starts[experts[by_expert]]
+    mine = place.view(split.size, -1)[split.rank]  # this rank's, in `assigned` order
+    kept = order[mine[order] < capacity]
+    return kept, torch.bincount(assigned[kept], minlength=e)

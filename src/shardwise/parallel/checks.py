@@ -112,8 +112,7 @@ def _check_context_parallel(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) 
 
 
 def _check_experts(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
-    """Expert parallel needs the plan's experts (and divides them); capacity routing does not
-    take cp (which tokens an expert drops depends on the whole sequence)."""
+    """Expert parallel needs the plan's experts (and divides them)."""
     ep, experts = dims.ep, plan.shape.experts
     if ep > 1 and not plan.experts:
         raise SpecError(
@@ -125,12 +124,6 @@ def _check_experts(spec: RunSpec, dims: ParallelDims, plan: ModelPlan) -> None:
             f"expert parallel ep = {ep} does not divide the model's {experts} experts "
             f"({_experts_field(spec)}): every ep rank holds an equal share. The nearest ep that "
             f"does is {_nearest_divisor(experts, ep)}; or use a multiple of {ep} experts.")
-    if plan.experts and dims.cp > 1 and getattr(spec.model.fields, "moe_routing", "") == "capacity":
-        raise SpecError(
-            f"capacity routing (model.moe_routing = \"capacity\") with context parallel (cp = "
-            f"{dims.cp}) is not available: which assignments an expert drops depends on the "
-            "order of the whole sequence, and each cp rank holds two chunks of it. Use "
-            "moe_routing = \"dropless\" with cp, or cp = 1.")
     if plan.experts and spec.run.determinism == "invariant":
         raise SpecError(
             f"{_model_name(spec)} has mixture-of-experts layers: determinism = \"invariant\" "

@@ -29,9 +29,11 @@ activation checkpointing) — and the module's own function otherwise (generatio
 rank runs the whole prompt).
 
 Modules whose forward needs a statistic of the whole sequence (an MoE router's load-balancing
-loss counts assignments over every token of the micro-batch) declare a method
-`shardwise_sequence_split(sum_over_sequence)`; it is given a function that sums a tensor over the
-cp group (an all-reduce; every cp rank calls it in the same forward).
+loss counts assignments over every token of the micro-batch; capacity routing drops by the whole
+micro-batch's token order) declare a method `shardwise_sequence_split(split)`; it is given a
+`SequenceSplit`: called, it sums a tensor over the cp group (an all-reduce; every cp rank calls it
+in the same forward); it also gathers a tensor from every cp rank and numbers this rank's tokens
+in the whole sequence.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from shardwise.models.plan import ModelPlan
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from shardwise.spec.layout import CP_COMMS
 
-__all__ = ["CP_COMMS", "CPGroup", "ContextParallel", "apply_context_parallel", "ring_attention",
-           "zigzag_positions", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["CP_COMMS", "CPGroup", "ContextParallel", "SequenceSplit", "apply_context_parallel",
+           "ring_attention", "zigzag_positions", "zigzag_shard", "zigzag_unshard"]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ATTENTION_ATTR = "attention_fn"
 SEQUENCE_HOOK = "shardwise_sequence_split"
@@ -357,6 +359,46 @@ class ContextParallel:
         return attention
 
 
+@dataclass
+class SequenceSplit:
+    """What a module that needs the whole sequence receives through `shardwise_sequence_split`.
+    Called, it sums a tensor over the cp ranks (an all-reduce, in place); `gather` stacks one
+    tensor per cp rank; `token_index` numbers this rank's tokens in the whole micro-batch's order;
+    `active` is whether the sequence is split now (the trainer's forward and backward, and its
+    evaluation; not generation, where every rank runs the whole prompt)."""
+
+    context: ContextParallel
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.context.cp.group)
+        return t
+
+    @property
+    def active(self) -> bool:
+        return self.context._active
+
+    @property
+    def rank(self) -> int:
+        return self.context.cp.rank
+
+    @property
+    def size(self) -> int:
+        return self.context.cp.size
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(cp, *t.shape): every cp rank's `t` (same shape on all), in cp rank order."""
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.context.cp.group)
+        return torch.stack(out)
+
+    def token_index(self, rows: int, local_len: int, device: torch.device) -> torch.Tensor:
+        """(rows * local_len,) int64: where each of this rank's tokens (rows of `local_len`
+        zigzag-local tokens, flattened row-major) sits in the flattened whole micro-batch."""
+        whole = local_len * self.size
+        positions = self.context.positions(whole, device)
+        return (torch.arange(rows, device=device).unsqueeze(1) * whole + positions).reshape(-1)
+
+
 def attention_modules(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules()
             if m is not None and plan.attention and fnmatch.fnmatchcase(name, plan.attention)]
@@ -382,15 +424,12 @@ def apply_context_parallel(parts: Sequence[nn.Module], plan: ModelPlan,
     for _, module in modules:
         setattr(module, ATTENTION_ATTR, context.wrap(getattr(module, ATTENTION_ATTR)))
 
-    def sum_over_sequence(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=group)
-        return t
-
+    split = SequenceSplit(context)
     for part in parts:
         for module in part.modules():
             hook = getattr(module, SEQUENCE_HOOK, None)
             if callable(hook):
-                hook(sum_over_sequence)
+                hook(split)
         # (a no-op where the caller passes the positions: the model whole, not a stage)
         part.register_forward_pre_hook(context.stage_positions, with_kwargs=True)
     return context

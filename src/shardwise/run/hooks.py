@@ -131,7 +131,8 @@ class LogHook:
         experts, nothing otherwise."""
         if not self.experts:
             return {}
-        return merge_rows(self.gather(summary_row(result.experts)), self.ctx.dims.dp)
+        dims = self.ctx.dims  # every rank of a stage holds the step's global figures
+        return merge_rows(self.gather(summary_row(result.experts)), dims.dp * dims.cp * dims.tp)
 
 
 @dataclass

@@ -4,8 +4,9 @@ Each MoE module reports its step's routing after the optimizer step (`parallel.e
 per-expert assignments summed over the data-parallel ranks, dropped assignments, tokens x the
 Switch balance loss, tokens routed, the selection bias). `summary_row` folds this rank's modules
 into a fixed-length row, so rows of every rank can be all-gathered (pipeline stages hold
-different layers); `merge_rows` combines them — every data-parallel rank of a stage reports the
-same global figures, so sums are divided by dp. Read only at log steps (the one host copy).
+different layers); `merge_rows` combines them — every rank of a stage (its data-, context- and
+tensor-parallel peers) reports the same global figures, so sums are divided by their count. Read
+only at log steps (the one host copy).
 
 Fields: `moe_load_min` / `moe_load_mean` / `moe_load_max` (assignments per expert per layer,
 over every layer and expert), `moe_load_cv` (coefficient of variation std/mean of the
@@ -44,12 +45,13 @@ def summary_row(figures: dict[str, dict[str, Any]] | None) -> list[float]:
     return row.tolist()
 
 
-def merge_rows(rows: list[list[float]], dp: int) -> dict[str, float]:
-    """The step's fields from every rank's row (see the module docstring)."""
+def merge_rows(rows: list[list[float]], peers: int) -> dict[str, float]:
+    """The step's fields from every rank's row; `peers`: the ranks of a stage, which report the
+    same figures (see the module docstring)."""
     held = [r for r in rows if r[0] > 0]
     if not held:
         return {}
-    total = [sum(r[i] for r in held) / dp for i in range(ROW)]
+    total = [sum(r[i] for r in held) / peers for i in range(ROW)]
     layers, assignments, experts = total[0], total[4], total[5]
     tokens = total[8]
     fields = {"moe_load_min": min(r[2] for r in held), "moe_load_max": max(r[3] for r in held),
