@@ -28,6 +28,7 @@ from shardwise.parallel.distributed import DistContext
 from shardwise.resilience.preempt import Preemption, write_marker
 from shardwise.run import manifest
 from shardwise.run.generate import generate
+from shardwise.run.monitors import Gather
 from shardwise.spec.runspec import RunSpec, SampleSection
 from shardwise.telemetry import EventLog
 from shardwise.telemetry.perf import RunPerf
@@ -130,6 +131,34 @@ class RunRecord:
                          sample=summary.sample_text, goodput=goodput,
                          startup_s=round(self.started_at - STARTED_AT, 3),
                          **self.target_fields(summary))
+
+    def finish(self, step: int, wall_s: float, tokens_seen: int, summary: TrainSummary,
+               goodput: Any, preemption: Preemption) -> None:
+        """The launch's last record: `preempted` (and the launcher's marker) when a signal
+        stopped it; otherwise the end-of-run sample (after the last step) and `run_end`."""
+        if summary.preempted is not None:
+            self.end_preempted(step, summary.preempted, preemption)
+            return
+        if step == self.spec.run.steps and self.spec.sample.tokens:
+            summary.sample_text = self.sample(step, self.spec.sample, self.spec.data.seq_len,
+                                              self.spec.run.seed)
+        self.emit_end(step, wall_s, tokens_seen, summary, goodput)
+
+    def emit_restart(self, step: int, attempt: int, resumed_from: int,
+                     reached: int | None) -> None:
+        """The first step after an elastic restart: how far the failed attempt had got and the
+        steps it lost (`reached`: its last step, None when unknown)."""
+        self.events.emit("restart", step, attempt=attempt, resumed_from_step=resumed_from,
+                         seconds_to_first_step=round(time.time() - STARTED_AT, 3),
+                         failed_at_step=reached,
+                         steps_lost=None if reached is None else max(0, reached - resumed_from))
+
+    def emit_model_state(self, step: int, report: dict[str, Any], gather: Gather) -> None:
+        """Per-rank model-state bytes, each a list in rank order (collective: one all-gather)."""
+        keys = list(report)
+        rows = gather([float(report[k]) for k in keys])
+        self.events.emit("model_state", step, **{f"{key}_per_rank": [int(row[i]) for row in rows]
+                                                 for i, key in enumerate(keys)})
 
     def target_fields(self, summary: TrainSummary) -> dict[str, Any]:
         """`eval.target_loss` and this launch's first evaluation at or below it: its step, the
