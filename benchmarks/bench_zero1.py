@@ -1,6 +1,8 @@
 """ZeRO-1 under tensor and pipeline parallel (the distributed optimizer, parallel/flat_dp.py)
 against ZeRO-2/3 on the same shape: data-parallel bytes per step against the textbook volume,
-and step time side by side.
+and step time side by side; ZeRO-1 twice, with one gradient bucket (its reduce-scatter starts
+when backward has ended) and with small buckets that start during backward
+(parallel/grad_buckets.py).
 
 Each layout trains the same job through `shardwise train` (one launch per layout, the layouts
 in turn, repeated `--repeats` times so the machine's drift falls on all of them). What is read
@@ -30,7 +32,9 @@ import tempfile
 from pathlib import Path
 
 LAYOUTS = {  # name -> parallel overrides (world 8: dp_shard 2 x tp 2 x pp 2)
-    "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3},
+    "zero1, one bucket": {"zero": 1, "bucket_mb": 1000},
+    "zero1, 0.25 MB buckets": {"zero": 1, "bucket_mb": 0.25},
+    "zero2": {"zero": 2}, "zero3": {"zero": 3},
 }
 BASE = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=\"1f1b\"",
         "parallel.nproc=8", "model.n_layers=4", "model.tie_embeddings=false",
@@ -77,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory(prefix="bench-zero1-") as tmp:
         for r in range(args.repeats):
-            for name in LAYOUTS:
-                results[name].append(figures(run(name, args.steps, Path(tmp) / f"{name}-{r}"),
+            for i, name in enumerate(LAYOUTS):
+                results[name].append(figures(run(name, args.steps, Path(tmp) / f"{i}-{r}"),
                                              args.warmup))
     lines = ["| layout (tp2 x pp2 x dp_shard2) | step s, median (min-max) | ratio to zero3 | "
              "dp wire MB/step (rank 0) | textbook MB | measured/textbook |",
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         book = runs[0]["textbook"] / 1e6
         # ZeRO-1 and ZeRO-2 send one reduce-scatter of the gradients and one all-gather of the
         # parameters per step; ZeRO-3 re-gathers per micro-batch and stage (no one-line textbook)
-        ratio = f"{wire / book:.3f}" if name in ("zero1", "zero2") else "(re-gathers)"
+        ratio = f"{wire / book:.3f}" if LAYOUTS[name]["zero"] in (1, 2) else "(re-gathers)"
         lines.append(f"| {name} | {med:.3f} ({min(times):.3f}-{max(times):.3f}) | "
                      f"{med / zero3:.2f} | {wire:.2f} | {book:.2f} | {ratio} |")
     print("\n".join(lines))

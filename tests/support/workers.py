@@ -28,6 +28,9 @@ def _collect(trainer: Trainer) -> dict[str, Any]:
         "model_state": trainer.meter.report,
         "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
         "optim": trainer.optimizers.full_state(),
+        # buckets of the last step whose reduction started during backward, and all of them
+        "buckets": None if trainer.optimizers.overlap is None else (
+            trainer.optimizers.overlap.early, len(trainer.optimizers.overlap.buckets)),
     }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,8 @@ def _quiet_redistribution() -> Iterator[None]:
 
 
 def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor,
-                        group: dist.ProcessGroup | None) -> None:
-    """Rank r's chunk r (along dim 0) of the sum over ranks of `full`, into `output`."""
+                        group: dist.ProcessGroup | None, async_op: bool = False) -> Any:
+    """Rank r's chunk r (along dim 0) of the sum over ranks of `full`, into `output` (with
+    `async_op`, the work to wait for)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, full, group=group)
+    return scatter(output, full, group=group, async_op=async_op)

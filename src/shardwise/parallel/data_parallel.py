@@ -134,10 +134,10 @@ def sum_gradients(model: nn.Module) -> None:
 
 
 def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup | None,
-              device: torch.device) -> nn.Module:
+              device: torch.device, bucket_mb: float = 25.0) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, process_group=group, device_ids=device_ids, gradient_as_bucket_view=True,
-              **_no_buffer_sync())
+              bucket_cap_mb=bucket_mb, **_no_buffer_sync())
     # A sum of the ranks' gradients (the loss is already divided by the global token count),
     # issued from Python so the communication tap can count it.
     ddp.register_comm_hook(None, ddp_comm_hook(group))

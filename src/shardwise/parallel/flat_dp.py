@@ -19,12 +19,18 @@ layouts reduce once, after the step's last backward, on the local shards:
 
 A tensor-parallel shard split along dim 0 whose rows the data-parallel ranks do not divide would
 need an uneven strided shard; such a parameter keeps a whole master on every data-parallel rank
-(replicated: its gradient is all-reduced) — correct, only not sharded. Nothing here overlaps with
-backward yet: the reduction follows the schedule, as the last step of `forward_backward`.
+(replicated: its gradient is all-reduced) — correct, only not sharded.
+
+Both reduce in buckets of `parallel.bucket_mb`, in the order backward produces the gradients, and
+a bucket's collective can start during backward as soon as its last gradient of the step is ready
+(`parallel.grad_buckets`, driven by `run.optim.Optimizers`): the reduction of the later layers
+overlaps the backward of the earlier ones, under every pipeline schedule. `reduce` after
+backward waits for them (and reduces a bucket again whose gradients changed after it started).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,6 +43,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from shardwise.compat import _StridedShard
 from shardwise.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from shardwise.parallel.grad_buckets import Bucket, cap_elements, plan_buckets
 
 MakeOptimizer = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -46,28 +53,60 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FlatAllReduce:
-    """zero 0: sum the local gradients of `params` over `group`, one flat buffer per dtype."""
+    """zero 0: sum the local gradients of `params` over `group`, in flat buckets of one dtype
+    (see the module docstring). `late`: ids of parameters whose gradients change after backward
+    (tied copies): their buckets never start early."""
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None,
+                 bucket_mb: float = 25.0, late: frozenset[int] = frozenset()) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
+        self.members: list[list[nn.Parameter]] = []
+        backward = self.params[::-1]  # roughly the order backward produces them
+        for dtype in dict.fromkeys(p.dtype for p in backward):
+            same = [p for p in backward if p.dtype == dtype]
+            plan = plan_buckets([p.numel() for p in same],
+                                cap_elements(bucket_mb, same[0].element_size()))
+            self.members += [[same[i] for i in b] for b in plan]
+        self._work: list[Any] = [None] * len(self.members)
+        self._flat: list[torch.Tensor | None] = [None] * len(self.members)
+        self.buckets = [] if not self._reduces() else [
+            Bucket([] if any(id(p) in late for p in ps) else list(ps),
+                   functools.partial(self._launch, i, True))
+            for i, ps in enumerate(self.members)]
+
+    def _reduces(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
+    @torch.no_grad()
+    def _launch(self, i: int, async_op: bool) -> None:
+        grads = []
+        for p in self.members[i]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._flat[i] = flat
+        self._work[i] = dist.all_reduce(flat, group=self.group, async_op=async_op)
 
     @torch.no_grad()
     def reduce(self) -> None:
-        if self.group is None or dist.get_world_size(self.group) == 1:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
+        for i, bucket in enumerate(self.buckets):
+            if not bucket.started:
+                bucket.started = True
+                self._launch(i, async_op=False)
+            if self._work[i] is not None:
+                self._work[i].wait()
+            if bucket.stale:  # a gradient changed after the bucket started
+                self._launch(i, async_op=False)
             offset = 0
-            for g in grads:
+            flat = cast(torch.Tensor, self._flat[i])
+            for p in self.members[i]:
+                g = _local(cast(torch.Tensor, p.grad))
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+            self._work[i], self._flat[i] = None, None
+            bucket.started = bucket.stale = False
 
 
 @dataclass
@@ -79,8 +118,9 @@ class _Slice:
     rows: int  # dim 0 of the local shard
     row_numel: int
     per_rank: int  # rows per rank (ceil); the last ranks may hold fewer, or none
-    offset: int  # where its rows start in a rank's chunk of the flat buffer
+    offset: int  # where its rows start in a rank's chunk of its bucket
     sharded: bool  # False: a whole master on every rank (see the module docstring)
+    start: int = 0  # where its bucket's chunk starts in a rank's whole chunk
 
     @property
     def chunk_numel(self) -> int:
@@ -98,14 +138,16 @@ class DistributedOptimizer:
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], root: DeviceMesh,
                  shard_axis: str, replicas: dist.ProcessGroup | None,
-                 make_optimizer: MakeOptimizer) -> None:
+                 make_optimizer: MakeOptimizer, bucket_mb: float = 25.0,
+                 late: frozenset[int] = frozenset()) -> None:
+        """`late`: ids of parameters whose gradients change after backward (tied copies on
+        several pipeline stages): their buckets are reduced after it."""
         self.root, self.shard_axis = root, shard_axis
         self.shard_mesh = root[shard_axis]
         self.group = self.shard_mesh.get_group()
         self.n, self.rank = self.shard_mesh.size(), self.shard_mesh.get_local_rank()
         self.replicas = replicas
         self.slices: list[_Slice] = []
-        offset = 0
         for name, p in named:
             if not p.requires_grad:
                 continue
@@ -113,16 +155,30 @@ class DistributedOptimizer:
             rows = local.shape[0] if local.dim() else 1
             per = -(-rows // self.n)
             strided = isinstance(p, DTensor) and p.placements[0] == Shard(0)
-            piece = _Slice(name, p, rows, local.numel() // max(rows, 1), per, offset,
-                           sharded=not (strided and rows % self.n))
-            offset += piece.chunk_numel
-            self.slices.append(piece)
-        self.chunk = offset
+            self.slices.append(_Slice(name, p, rows, local.numel() // max(rows, 1), per, 0,
+                                      sharded=not (strided and rows % self.n)))
+        # buckets of sharded slices in backward order; each a (n, chunk) rank-major region
+        backward = [s for s in self.slices[::-1] if s.sharded]
+        self.members = [[backward[i] for i in b] for b in plan_buckets(
+            [s.chunk_numel * self.n for s in backward], cap_elements(bucket_mb))]
+        start = 0
+        for member in self.members:
+            offset = 0
+            for piece in member:
+                piece.start, piece.offset = start, offset
+                offset += piece.chunk_numel
+            start += offset
+        self.chunk = start
         self.masters = {s.name: nn.Parameter(self._master_of(s, _local(s.param.detach()), True))
                         for s in self.slices}
         self.optimizer = make_optimizer([(s.name, self.masters[s.name]) for s in self.slices])
         self.param_groups = self.optimizer.param_groups
         self._buffer: torch.Tensor | None = None
+        self._mine: torch.Tensor | None = None
+        self._work: list[Any] = [None] * len(self.members)
+        self.buckets = [Bucket([] if any(id(s.param) in late for s in m) else [s.param for s in m],
+                               functools.partial(self._launch, i, True))
+                        for i, m in enumerate(self.members)]
 
     # --- layout -------------------------------------------------------------------------------
     def _placements(self, piece: _Slice) -> tuple[DeviceMesh, list[Placement]]:
@@ -153,29 +209,54 @@ class DistributedOptimizer:
             self._buffer = torch.zeros(self.n * self.chunk, dtype=torch.float32, device=device)
         return self._buffer
 
+    def _mine_for(self, device: torch.device) -> torch.Tensor:
+        """This rank's summed chunk of every bucket (the masters' gradients view it)."""
+        if self._mine is None:
+            self._mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
+        return self._mine
+
+    def _device(self) -> torch.device:
+        return _local(self.slices[0].param).device if self.slices else torch.device("cpu")
+
     # --- a step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _launch(self, i: int, async_op: bool) -> None:
+        """Reduce-scatter bucket i: its gradients packed rank-major, this rank's sum out."""
+        member, device = self.members[i], self._device()
+        start, numel = member[0].start, sum(s.chunk_numel for s in member)
+        region = self._buffer_for(device)[self.n * start:self.n * (start + numel)]
+        grid = region.view(self.n, numel)
+        for s in member:
+            grid[:, s.offset:s.offset + s.chunk_numel].copy_(self._padded_grad(s))
+        mine = self._mine_for(device)[start:start + numel]
+        self._work[i] = reduce_scatter_flat(mine, region, self.group, async_op=async_op)
+
     @torch.no_grad()
     def reduce(self) -> None:
         """Sum the gradients over the data-parallel ranks into the masters' gradients."""
-        sharded = [s for s in self.slices if s.sharded]
-        whole = [s for s in self.slices if not s.sharded]
-        device = _local(self.slices[0].param).device if self.slices else torch.device("cpu")
-        if sharded:
-            buffer = self._buffer_for(device)
-            grid = buffer.view(self.n, self.chunk)
-            for s in sharded:
-                grid[:, s.offset:s.offset + s.chunk_numel].copy_(self._padded_grad(s))
-            mine = torch.empty(self.chunk, dtype=torch.float32, device=device)
-            reduce_scatter_flat(mine, buffer, self.group)
+        device = self._device()
+        for i, bucket in enumerate(self.buckets):
+            if not bucket.started:
+                bucket.started = True
+                self._launch(i, async_op=False)
+            if self._work[i] is not None:
+                self._work[i].wait()
+            if bucket.stale:  # a gradient changed after the bucket started
+                self._launch(i, async_op=False)
+            self._work[i] = None
+            bucket.started = bucket.stale = False
+        if self.members:
+            mine = self._mine_for(device)
             if self.replicas is not None:
                 dist.all_reduce(mine, group=self.replicas)
-            for s in sharded:
+            for s in (s for member in self.members for s in member):
                 start, end = s.my_rows(self.rank)
-                rows = mine[s.offset:s.offset + (end - start) * s.row_numel]
+                at = s.start + s.offset
+                rows = mine[at:at + (end - start) * s.row_numel]
                 shape = (end - start, *_local(s.param).shape[1:])
                 self.masters[s.name].grad = self._master_of(
                     s, rows.view(shape) if rows.numel() else rows.new_zeros(shape), sliced=True)
-        for s in whole:
+        for s in (s for s in self.slices if not s.sharded):
             grad = _local(s.param.grad).float().clone() if s.param.grad is not None else \
                 torch.zeros_like(_local(s.param.detach()), dtype=torch.float32)
             dist.all_reduce(grad, group=self.group)
@@ -203,19 +284,21 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Update this rank's slices, then all-gather them back into the parameters."""
         self.optimizer.step()
-        sharded = [s for s in self.slices if s.sharded]
+        sharded = [s for member in self.members for s in member]
         if sharded:
-            device = _local(sharded[0].param).device
+            device = self._device()
             mine = torch.zeros(self.chunk, dtype=torch.float32, device=device)
             for s in sharded:
                 local = _local(cast(torch.Tensor, self.masters[s.name])).reshape(-1)
-                mine[s.offset:s.offset + local.numel()].copy_(local)
+                at = s.start + s.offset
+                mine[at:at + local.numel()].copy_(local)
             buffer = self._buffer_for(device)
             all_gather_flat(buffer, mine, self.group)
             grid = buffer.view(self.n, self.chunk)
             for s in sharded:
                 target = _local(s.param.data)
-                full = grid[:, s.offset:s.offset + s.chunk_numel].reshape(-1)
+                at = s.start + s.offset
+                full = grid[:, at:at + s.chunk_numel].reshape(-1)
                 target.copy_(full[:target.numel()].view_as(target))
         for s in self.slices:
             if not s.sharded:

@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, ctx: DistContext, par: ParallelSection, memory
                 assert record is not None
                 materialize(parts, record, ctx.device)
                 deferred = False
-            parts = [apply_ddp(part, ctx.grad_group(), ctx.device) for part in parts]
+            parts = [apply_ddp(part, ctx.grad_group(), ctx.device, par.bucket_mb) for part in parts]
     if deferred:
         assert record is not None
         materialize(parts, record, ctx.device)

@@ -82,6 +82,11 @@ class FaultInjector:
             if fault.kind == "slow" and phase == "forward":
                 time.sleep(fault.ms / 1000)
 
+    def poisons_gradients(self, step: int) -> bool:
+        """Whether `after_backward` plants a NaN on this rank at `step` (1-based)."""
+        return any(f.kind == "nan" and f.matches(self.rank, step, None, self.attempt)
+                   and f"nan@{step}" not in self.fired for f in self.faults)
+
     def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
         for fault in self.faults:
             if fault.kind == "nan" and fault.matches(self.rank, step, None, self.attempt) \

@@ -75,7 +75,7 @@ def assemble(spec: RunSpec, ctx: DistContext, run_dir: Path, data: PreparedData,
     layout = BatchLayout.checked(spec.batch.global_batch, spec.batch.micro_batch, ctx.dims.dp)
     rss_before_model = current_rss_bytes() if ctx.device.type == "cpu" else None
     model, num_params = build_model(spec, ctx, data.vocab_size, layout, patches, events)
-    optimizers = Optimizers(model, spec.optimizer)
+    optimizers = Optimizers(model, spec.optimizer, spec.parallel.bucket_mb)
     faults = FaultInjector.from_spec(spec.failure.faults, ctx.rank)
     faults.group, faults.device = ctx.dp_group(), ctx.device
     monitors = Monitors(spec, ctx, run_dir, events, faults.attempt, patches)

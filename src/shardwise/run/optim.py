@@ -27,6 +27,7 @@ from shardwise.parallel.data_parallel import Zero1Optimizer
 from shardwise.parallel.dims import MESH_AXES
 from shardwise.parallel.distributed import DistContext
 from shardwise.parallel.flat_dp import DistributedOptimizer, FlatAllReduce
+from shardwise.parallel.grad_buckets import ReadyBuckets
 from shardwise.parallel.parallelize import ParallelModel, unwrap
 from shardwise.spec.runspec import OptimizerSection
 
@@ -62,30 +63,45 @@ class Optimizers:
     tensor or pipeline parallel with zero 0/1 they also own the data-parallel reduction
     (`parallel.flat_dp`: DDP cannot wrap those layouts)."""
 
-    def __init__(self, pm: ParallelModel, opt: OptimizerSection) -> None:
+    def __init__(self, pm: ParallelModel, opt: OptimizerSection, bucket_mb: float = 25.0) -> None:
         self.pm = pm
         dims = pm.ctx.dims
         self.zero1 = dims.zero == 1 and dims.dp > 1
         self.reducer: FlatAllReduce | None = None
         self.optimizers: list[Any] = []
+        self.overlap: ReadyBuckets | None = None
         make = functools.partial(build_adamw, opt=opt, device=pm.ctx.device)
+        late = frozenset(id(p) for g in (pm.tied.groups if pm.tied else []) for p in g.params)
         if pm.flat_dp and self.zero1:
             replicas = _replica_group(pm.ctx)
             self.optimizers = [DistributedOptimizer(list(part.named_parameters()),
-                                                    pm.ctx.mesh, "dp_shard", replicas, make)
+                                                    pm.ctx.mesh, "dp_shard", replicas, make,
+                                                    bucket_mb, late)
                                for part in pm.parts]
+            # later stages' backwards end first: their buckets start first
+            self.overlap = ReadyBuckets([b for o in self.optimizers[::-1] for b in o.buckets])
             return
         if pm.flat_dp:
-            self.reducer = FlatAllReduce(pm.parameters(), pm.ctx.grad_group())
+            self.reducer = FlatAllReduce(pm.parameters(), pm.ctx.grad_group(), bucket_mb, late)
+            self.overlap = ReadyBuckets(self.reducer.buckets)
         for part in pm.parts:
             if self.zero1:
                 self.optimizers.append(Zero1Optimizer(unwrap(part), pm.ctx.mesh["dp_shard"], make))
             else:
                 self.optimizers.append(make(list(part.named_parameters())))
 
+    def arm(self, micro_batches: int) -> None:
+        """Before the step's backwards (`micro_batches` of them per parameter): the reduction
+        that DDP and FSDP do not do starts in buckets during backward (`parallel.grad_buckets`).
+        Not called, it all happens in `reduce_grads`."""
+        if self.overlap is not None:
+            self.overlap.arm(micro_batches)
+
     def reduce_grads(self) -> None:
-        """Sum the gradients over the data-parallel ranks where DDP or FSDP did not (after the
-        step's last backward: `parallel.flat_dp`)."""
+        """Sum the gradients over the data-parallel ranks where DDP or FSDP did not (started in
+        backward where `arm` allowed it, finished here: `parallel.flat_dp`)."""
+        if self.overlap is not None:
+            self.overlap.flush()
         if self.reducer is not None:
             self.reducer.reduce()
         for o in self.optimizers:

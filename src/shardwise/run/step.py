@@ -123,6 +123,9 @@ def train_step(pm: ParallelModel, optimizers: Optimizers, batches: Sequence[Batc
         loss_scale = (scale / global_tokens).float()  # fp32, as a Python scale would act
     else:
         loss_scale = scale / global_tokens
+    if not pm.invariant and not (faults is not None and faults.poisons_gradients(step + 1)):
+        # (a planted NaN must be in the gradients that are reduced: nothing starts early)
+        optimizers.arm(len(batches))
     with aux_loss_scale(loss_scale):  # a model's auxiliary losses (MoE) scale like the loss
         local_sum = pm.forward_backward(batches, loss_scale)
     _reduce_partial_grads(pm)

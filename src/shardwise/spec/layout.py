@@ -46,6 +46,10 @@ class ParallelSection:
     # with cp > 1: K/V blocks pass around the ring point-to-point ("ring": 2 blocks in memory),
     # or are all-gathered at once ("allgather": cp blocks, one collective)
     cp_comm: str = "ring"
+    # gradient buckets of data parallel (DDP, and the optimizers' reduction under tp/pp with
+    # zero 0/1), in MB: each bucket's reduction starts during backward once its last gradient is
+    # ready; smaller buckets start sooner, larger ones send fewer messages
+    bucket_mb: float = 25.0
     # local workers started by `shardwise train` (ignored under torchrun); 0: one per visible GPU
     # when CUDA is present, else 2
     nproc: int = 0
@@ -65,6 +69,7 @@ class ParallelSection:
                             "sharded), 2 (+ gradients), 3 (+ parameters), or -1 for automatic.")
         choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
+        positive("parallel.bucket_mb", self.bucket_mb)
         if any(n < 1 for n in self.pp_layer_split):
             raise SpecError(
                 f"parallel.pp_layer_split = {list(self.pp_layer_split)} gives a stage no "
