@@ -14,7 +14,7 @@ from shardwise.data.ledger import audit
 from shardwise.errors import UserError
 from shardwise.spec import spec_from_dict, spec_to_toml
 from tests.support.ranks import run_ranks
-from tests.support.specs import tiny_spec, tiny_spec_dict
+from tests.support.specs import grid, tiny_spec, tiny_spec_dict
 from tests.support.workers import train, train_single
 
 
@@ -41,12 +41,22 @@ def test_nan_steps_are_skipped_then_rolled_back(small_corpus, tmp_path):
     assert (report.steps, report.skipped) == (8, 16)
 
 
-def test_patience_zero_only_skips(small_corpus, tmp_path):
+# the distributed optimizer and the flat all-reduce (zero 1 / 0 under tp or pp) with small
+# gradient buckets, most of which start in backward: the poisoned rank must reduce the NaN
+POISONED = {"zero3-2": {"dp_shard": 2, "nproc": 2},
+            "zero1-2+tp2": {"dp_shard": 2, "zero": 1, "tp": 2, "nproc": 4, "bucket_mb": 0.004},
+            "ddp2+pp2": {"dp_replicate": 2, "dp_shard": 1, "zero": 0, "pp": 2, "nproc": 4,
+                         "bucket_mb": 0.004}}
+
+
+@pytest.mark.parametrize("layout", grid(POISONED, default=("zero3-2",)))
+def test_patience_zero_only_skips(layout, small_corpus, tmp_path):
     run_dir = tmp_path / "run"
+    parallel = POISONED[layout]
     spec = tiny_spec(small_corpus, run_dir, run={"steps": 4},
                      failure={"faults": "nan:rank=1:step=2", "nan_patience": 0},
-                     parallel={"dp_shard": 2, "nproc": 2})
-    result = run_ranks(train, 2, spec)[0]
+                     parallel=parallel)
+    result = run_ranks(train, parallel["nproc"], spec)[0]
     assert [e["step"] for e in events(run_dir, "nonfinite")] == [2]
     assert not events(run_dir, "rollback")
     assert math.isnan(result["grad_norms"][1]) and math.isfinite(result["grad_norms"][2])

@@ -92,21 +92,20 @@ class FlatAllReduce:
     @torch.no_grad()
     def reduce(self) -> None:
         for i, bucket in enumerate(self.buckets):
-            if not bucket.started:
-                bucket.started = True
-                self._launch(i, async_op=False)
-            if self._work[i] is not None:
-                self._work[i].wait()
-            if bucket.stale:  # a gradient changed after the bucket started
-                self._launch(i, async_op=False)
+            bucket.settle(functools.partial(self._wait, i),
+                          functools.partial(self._launch, i, False))
             offset = 0
             flat = cast(torch.Tensor, self._flat[i])
             for p in self.members[i]:
                 g = _local(cast(torch.Tensor, p.grad))
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-            self._work[i], self._flat[i] = None, None
-            bucket.started = bucket.stale = False
+            self._flat[i] = None
+
+    def _wait(self, i: int) -> None:
+        if self._work[i] is not None:
+            self._work[i].wait()
+            self._work[i] = None
 
 
 @dataclass
@@ -231,20 +230,18 @@ class DistributedOptimizer:
         mine = self._mine_for(device)[start:start + numel]
         self._work[i] = reduce_scatter_flat(mine, region, self.group, async_op=async_op)
 
+    def _wait(self, i: int) -> None:
+        if self._work[i] is not None:
+            self._work[i].wait()
+            self._work[i] = None
+
     @torch.no_grad()
     def reduce(self) -> None:
         """Sum the gradients over the data-parallel ranks into the masters' gradients."""
         device = self._device()
         for i, bucket in enumerate(self.buckets):
-            if not bucket.started:
-                bucket.started = True
-                self._launch(i, async_op=False)
-            if self._work[i] is not None:
-                self._work[i].wait()
-            if bucket.stale:  # a gradient changed after the bucket started
-                self._launch(i, async_op=False)
-            self._work[i] = None
-            bucket.started = bucket.stale = False
+            bucket.settle(functools.partial(self._wait, i),
+                          functools.partial(self._launch, i, False))
         if self.members:
             mine = self._mine_for(device)
             if self.replicas is not None:

@@ -42,6 +42,17 @@ class Bucket:
     stale: bool = False
     arrived: int = field(default=0, repr=False)  # watched parameters complete this step
 
+    def settle(self, wait: Callable[[], None], launch_now: Callable[[], None]) -> None:
+        """After backward, in its owner's `reduce`: the collective done on the final gradients
+        (`launch_now` runs it synchronously: if it never started, or again if stale)."""
+        if not self.started:
+            self.started = True
+            launch_now()
+        wait()
+        if self.stale:  # a gradient changed after the bucket started
+            launch_now()
+        self.started = self.stale = False
+
 
 def plan_buckets(sizes: Sequence[int], cap: int) -> list[list[int]]:
     """Indices of `sizes` (elements, in the order backward produces them) grouped into buckets of
