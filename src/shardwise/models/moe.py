@@ -318,7 +318,7 @@ def _apply_capacity_over_sequence(order: torch.Tensor, assigned: torch.Tensor, k
     key = (split.token_index(rows, local_len, assigned.device).unsqueeze(1) * k
            + slots).reshape(-1)  # each assignment's number in the whole micro-batch
     keys, experts = split.gather(key).reshape(-1), split.gather(assigned).reshape(-1)
-    by_expert = (experts * (int(keys.max()) + 1) + keys).argsort()
+    by_expert = (experts * keys.numel() + keys).argsort()  # keys < numel: no host read
     counts = torch.bincount(experts, minlength=e)
     starts = torch.cumsum(counts, 0) - counts
     place = torch.empty_like(by_expert)

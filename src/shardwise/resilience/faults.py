@@ -88,14 +88,12 @@ class FaultInjector:
                    and f"nan@{step}" not in self.fired for f in self.faults)
 
     def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
-        for fault in self.faults:
-            if fault.kind == "nan" and fault.matches(self.rank, step, None, self.attempt) \
-                    and f"nan@{step}" not in self.fired:  # once: a rollback replays the step
-                grad = next(p.grad for p in params if p.grad is not None)
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                if local.numel():
-                    local.view(-1)[0] = float("nan")
-                self.fired.append(f"nan@{step}")
+        if self.poisons_gradients(step):  # once: a rollback replays the step
+            grad = next(p.grad for p in params if p.grad is not None)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if local.numel():
+                local.view(-1)[0] = float("nan")
+            self.fired.append(f"nan@{step}")
 
     def after_checkpoint(self, step: int, path: Path) -> None:
         for fault in self.faults:
