@@ -558,7 +558,7 @@ def test_framework_overhead_is_hidden_by_gpu_kernels_at_scale() -> None:
     base, default, heavy = (predict(lo, preset("llama3-405b"), cluster, LLAMA_BATCH, p)
                             for p in (off, CostParams(), big))
     assert default.step_time_s == base.step_time_s == heavy.step_time_s
-    assert default.overhead_s == 0.0
+    assert default.overhead_s == CostParams().step_host_s  # only the host's work per step
     tiny_gpu = resolve_cluster("dgx-h100", nodes=1)
     small = Layout(dp_shard=8, zero=3, micro_batch=1)
     quick, slow = (predict(small, TINY, tiny_gpu, Batch(8, 64), p) for p in (off, CostParams()))
@@ -657,3 +657,8 @@ def test_overhead_params_are_validated(tmp_path: Path) -> None:
         load_params(path)
     path.write_text("[cost_params]\ntp_op_overhead_s = 2e-3\n")
     assert load_params(path).tp_op_overhead_s == 2e-3
+    for text, field in (("fsdp_overlap = 1.5", "fsdp_overlap"), ("step_host_s = -0.1",
+                                                                  "step_host_s")):
+        path.write_text(f"[cost_params]\n{text}\n")
+        with pytest.raises(SpecError, match=field):
+            load_params(path)

@@ -17,6 +17,7 @@ from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import TERMS, predict
 from shardwise.planner.layout import Batch, Layout, layout_problem
 from shardwise.planner.models import ModelDims, preset
+from shardwise.planner.params import CostParams
 from shardwise.planner.search import orders
 from shardwise.spec.cluster import load_cluster
 
@@ -58,6 +59,57 @@ def test_memory_bound_bytes_of_a_block_are_counted_per_op() -> None:
     # torch's checkpoint stops before the last projection; Megatron's reruns all of it
     whole = kernels.block_times(GPT, "dense", 2, 512, 1, 1, False, 2, 2, True, False, True, CHIP)
     assert whole.recompute == whole.forward and bt.recompute.gemm < bt.forward.gemm
+
+
+def test_the_loss_is_an_fp32_cross_entropy_over_the_vocabulary_shard() -> None:
+    """Per logit: cast to fp32 (q + 4), log-softmax (3 x 4), dense loss gradient (4), its
+    backward (3 x 4), cast back (4 + q); the final norm's 3 passes over the hidden state."""
+    tokens, tp, q, r = 2 * 512, 2, 2, 4
+    t = kernels.head_times(GPT, 2, 512, tp, 1, q, r, CHIP)
+    loss = tokens * (32000 // tp) * (2 * q + 36)
+    norm = 3 * tokens * 1024 * (r + q)
+    assert t.memory == pytest.approx((loss + norm) / 2e12)
+    f, b = kernels.linear_times(tokens, 1024, 32000 // tp, CHIP, q)
+    assert t.gemm == pytest.approx(f + b)
+
+
+def test_tp_collectives_a_framework_overlaps_are_pipelined_with_their_gemms() -> None:
+    """tp chunks: the first stays exposed, the rest hide while there is compute."""
+    assert comm.pipelined(8.0, 100.0, 8) == pytest.approx(1.0)
+    assert comm.pipelined(8.0, 3.0, 8) == pytest.approx(1.0 + 4.0)
+    assert comm.pipelined(8.0, 100.0, 1) == 8.0
+    lo = Layout(dp_shard=4, zero=1, tp=8, sequence_parallel=True)
+    cluster, model, batch = resolve_cluster("dgx-h100", nodes=4), preset("llama3-8b"), \
+        Batch(64, 8192)
+    plain = predict(lo, model, cluster, batch, CostParams(overlapped=()))
+    overlapped = predict(lo, model, cluster, batch, CostParams(overlapped=("tp",)))
+    assert plain.breakdown["tp"] > 0
+    assert overlapped.breakdown["tp"] == pytest.approx(plain.breakdown["tp"] / 8)
+
+
+def test_fsdp_gathers_hide_by_their_own_share() -> None:
+    lo = Layout(dp_shard=32, zero=3)
+    cluster, model, batch = resolve_cluster("dgx-h100", nodes=4), preset("llama3-8b"), \
+        Batch(64, 8192)
+    exposed = {}
+    for share in (0.0, 0.5, 1.0):
+        p = predict(lo, model, cluster, batch, CostParams(fsdp_overlap=share, overlap=1.0,
+                                                          reduce_every_micro_batch=True))
+        exposed[share] = p.breakdown["dp_fsdp"]
+    assert exposed[0.0] > exposed[0.5] > exposed[1.0] >= 0.0
+    assert exposed[0.5] == pytest.approx(exposed[0.0] / 2)
+
+
+def test_a_gpu_steps_host_work_adds_once_per_step_and_a_cpus_does_not() -> None:
+    lo = Layout(dp_shard=8, zero=3)
+    batch = Batch(64, 2048)
+    for cluster, added in ((resolve_cluster("dgx-h100", nodes=1), 0.25),
+                           (resolve_cluster("cpu-local"), 0.0)):
+        model = preset("llama3-8b") if added else GPT
+        base = predict(lo, model, cluster, batch, CostParams(step_host_s=0.0))
+        more = predict(lo, model, cluster, batch, CostParams(step_host_s=0.25))
+        assert more.step_time_s - base.step_time_s == pytest.approx(added)
+        assert more.breakdown["overhead"] - base.breakdown["overhead"] == pytest.approx(added)
 
 
 def test_optimizer_step_moves_its_bytes() -> None:

@@ -149,6 +149,10 @@ def test_fitted_fields_follow_what_the_rows_exercise(refs) -> None:
     assert "gemm_efficiency_ampere" in fields and "gemm_k_half_ampere" in fields
     assert not any(f.endswith("hopper") for f in fields)
     assert "attention_efficiency_ampere" not in fields  # SC21 ran unfused attention
+    assert "fsdp_overlap" not in fields  # DDP only
+    assert "overlap" in fields and "step_host_s" in fields
+    mpt = [r for r in refs if r.source.id == "mosaicml-mpt"]
+    assert "fsdp_overlap" in validate.fitted_fields(mpt)
 
 
 def test_the_interval_is_the_held_out_residuals_quantiles() -> None:

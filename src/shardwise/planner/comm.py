@@ -178,6 +178,18 @@ def exposed(comm: float, window: float, overlap: float) -> float:
     return max(comm - min(overlap * comm, window), 0.0)
 
 
+def pipelined(comm: float, window: float, chunks: int) -> float:
+    """The exposed part of a collective split into `chunks` steps that alternate with the chunks
+    of the matmul next to it (Megatron / Transformer Engine's TP comm overlap: an all-gather or
+    reduce-scatter over tp ranks as tp - 1 ring exchanges, each behind one GEMM chunk): the
+    first step (all-gather) or the last (reduce-scatter) has nothing to hide behind; the rest
+    hide while there is compute."""
+    if chunks <= 1:
+        return comm
+    first = comm / chunks
+    return first + max(0.0, comm - first - window)
+
+
 AXES = ("tp", "cp", "ep", "pp", "dp_shard", "dp_replicate")
 
 #: mesh orders, inside out (`Layout.order`)
@@ -223,3 +235,4 @@ def mesh_groups(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int, ep:
         "dp": cached_group(dp, st["dp_shard"], cluster, eff, base),
     }
     return groups, pp * st["pp"] > cluster.devices_per_node
+

@@ -11,7 +11,9 @@ Step time, per pipeline rank r and micro-batch (m per step):
             + framework overhead (CPU; on a GPU: max(tau_r, host work))
     step  = (m + bubble slots) x max_r tau_r
             + exposed gradient reduction + ZeRO-1's parameter all-gather + the optimizer step
-with `comm.exposed(comm, window, overlap)` the part not hidden behind compute.
+with `comm.exposed(comm, window, overlap)` the part not hidden behind compute (TP collectives a
+framework overlaps are pipelined chunk by chunk with their GEMMs instead: `comm.pipelined`), and
+on a GPU `CostParams.step_host_s` of host work per step on top.
 tokens/s = global tokens / step; MFU = `telemetry.flops` model FLOPs per token x tokens/s /
 (devices x dense peak).
 
@@ -168,11 +170,12 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     tail = max(range(len(syncs)), key=syncs.__getitem__)  # a distinct load, not a rank
     ts = per_load[tail]
     pipe = (m + slots) * tau
-    step = pipe + syncs[tail]
+    host_step = params.step_host_s if ctx.chip is not None else 0.0
+    step = pipe + syncs[tail] + host_step
     counts = {k: (m + slots) * rs.counts_mb.get(k, 0.0) + ts.counts_step.get(k, 0.0)
               for k in OVERHEAD_FIELDS}
     breakdown = {k: m * rs.terms_mb.get(k, 0.0) for k in TERMS}
-    breakdown["overhead"] = m * rs.host_extra + tails[tail].get("overhead", 0.0)
+    breakdown["overhead"] = m * rs.host_extra + tails[tail].get("overhead", 0.0) + host_step
     breakdown["bubble"] = slots * tau
     for k in ("dp_sync", "param_gather", "optimizer"):
         breakdown[k] = tails[tail].get(k, 0.0)
@@ -262,7 +265,7 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
         a_time["tp"] = n * one
         a_bytes["tp"] = n * 2 * (lo.tp - 1) / lo.tp * size
         gemm_window = blocks.gemm + recompute.gemm
-        exposed["tp"] = comm.exposed(a_time["tp"], gemm_window, p.overlap) if ctx.overlaps("tp") \
+        exposed["tp"] = comm.pipelined(a_time["tp"], gemm_window, lo.tp) if ctx.overlaps("tp") \
             else a_time["tp"] * (1 - p.tp_overlap)
     # context parallel: each rank's K/V chunk goes around the cp ring (or is all-gathered): cp-1
     # steps forward, twice that backward (K/V and their gradients), again if recomputed.
@@ -341,7 +344,7 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
     a_bytes["dp_replicate"] += dc.bytes_replicate
     if lo.zero >= 2:
         per_mb = dc.gather_per_mb + dc.early_reduce_per_mb
-        exposed["dp_fsdp"] = comm.exposed(per_mb, t_comp, p.overlap) if ctx.overlaps("dp") \
+        exposed["dp_fsdp"] = comm.exposed(per_mb, t_comp, p.fsdp_overlap) if ctx.overlaps("dp") \
             else per_mb
     overlapped = ctx.overlaps("dp") and (lo.pp == 1 or ctx.overlaps("dp_under_pp"))
     out = {"param_gather": 0.0, "optimizer": 0.0}

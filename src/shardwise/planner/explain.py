@@ -24,7 +24,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
     "memory_bound": ("compute: memory-bound (norms, residuals, dropout, activation)",
                      "bytes moved / HBM bandwidth, counted per op"),
     "output_and_loss": ("compute: output layer, loss, embedding",
-                        "the d x V/tp GEMM, the softmax over the vocabulary / HBM"),
+                        "the d x V/tp GEMM; the fp32 cross-entropy's passes over the "
+                        "vocabulary / HBM"),
     "recompute": ("recompute (activation checkpointing)",
                   "the forward of the checkpointed blocks again"),
     "tp": ("exposed comm: tensor parallel", "{tp_how} per block; on {tp}"),
@@ -41,7 +42,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
                      "after the step; on {dp_shard}"),
     "optimizer": ("optimizer step", "AdamW's bytes over the rank's shard / HBM bandwidth"),
     "overhead": ("framework overhead", "host work not hidden behind the kernels "
-                 "(planner/overhead.py; coefficients measured on shardwise's CPU runs)"),
+                 "(planner/overhead.py; coefficients measured on shardwise's CPU runs) and, on "
+                 "a GPU, the host's work per step (step_host_s, fitted on published runs)"),
 }
 COMM_TERMS = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp_fsdp": "dp_shard",
               "dp_sync": "dp_shard", "param_gather": "dp_shard"}

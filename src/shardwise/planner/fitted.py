@@ -6,36 +6,38 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 05:17 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
+GENERATED = "2026-12-05 14:35 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.7547,
-    "gemm_efficiency_hopper": 0.5449,
+    "gemm_efficiency_ampere": 0.763,
+    "gemm_efficiency_hopper": 0.6024,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.642,
+    "attention_efficiency_hopper": 0.75,
     "gemm_k_half_ampere": 0.0,
     "gemm_k_half_hopper": 512.0,
-    "overlap": 0.8302,
+    "overlap": 1.0,
+    "fsdp_overlap": 0.3206,
+    "step_host_s": 0.1125,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        1.2101, 1.1493, 1.0634, 1.0025, 1.0382, 0.9812, 1.0151, 1.0006, 1.0499, 1.0299,
-        1.0224, 0.9883, 0.9458, 0.9288, 0.9557, 0.9737, 0.9026, 0.8991,
+        1.2299, 1.165, 1.0771, 0.9988, 1.0389, 0.982, 1.0134, 0.9972, 1.0464, 1.0254,
+        1.0165, 0.9853, 0.9454, 0.9307, 0.9515, 0.9732, 0.9045, 0.9051,
     ),
     "hopper": (
-        0.839, 0.9952, 1.1482, 1.2841, 1.0915, 1.032, 1.0309, 1.1194, 1.0902, 1.2196,
-        1.2058, 1.3498, 0.9619, 0.8953, 0.983, 0.9676, 0.8418, 0.8444, 0.8387, 0.8423,
-        0.86, 0.882, 0.8138, 0.8269, 0.8434, 0.8033, 0.8099,
+        1.1184, 1.0472, 1.0713, 1.0209, 0.9557, 0.891, 0.8848, 0.9809, 0.941, 1.1193,
+        1.1204, 1.3535, 0.9214, 0.8074, 0.9521, 0.934, 0.8537, 0.8583, 0.8555, 0.8581,
+        0.8772, 0.8894, 0.9024, 0.9175, 0.9364, 0.931, 0.9392,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 2.796,
-    "in_sample_max": 6.435,
-    "held_out_mae": 4.136,
-    "held_out_max": 9.842,
+    "in_sample_mae": 1.557,
+    "in_sample_max": 4.849,
+    "held_out_mae": 3.301,
+    "held_out_max": 8.448,
 }

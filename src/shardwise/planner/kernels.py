@@ -192,12 +192,16 @@ def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd:
 def head_times(model: ModelDims, micro_batch: int, seq_len: int, tp: int, cp: int, q: int,
                residual_bytes: int, chip: Chip) -> OpTimes:
     """The output layer and the loss on the last stage, forward and backward: the d x V/tp GEMM
-    (forward, input and weight gradients), the final norm, and the loss's softmax over the
-    vocabulary shard (read the logits, an fp32 softmax, its gradient written back)."""
+    (forward, input and weight gradients), the final norm, and the loss over the vocabulary
+    shard as an unfused cross-entropy in fp32 moves it, per logit: the cast to fp32 (read q,
+    write 4), the log-softmax (two reads and a write of 4), the gradient of the loss written
+    dense (4), the log-softmax's backward (two reads and a write of 4) and the cast back (read
+    4, write q): 2q + 36 bytes. (Counting one read and one write of each, 2q + 8, made the loss
+    of a 1-2B model with a 50-130K vocabulary a third of what it costs.)"""
     tokens = micro_batch * seq_len // cp
     f, b = linear_times(tokens, model.hidden, model.vocab // tp, chip, q)
     r = max(q, residual_bytes)
-    loss_bytes = tokens * (model.vocab // tp) * (2 * q + 8)
+    loss_bytes = tokens * (model.vocab // tp) * (2 * q + 36)
     norm_bytes = 3 * tokens * model.hidden * (r + q)
     return OpTimes(gemm=f + b, memory=memory_time(loss_bytes + norm_bytes, chip))
 

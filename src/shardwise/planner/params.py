@@ -54,14 +54,26 @@ class CostParams:
     gemm_k_half_ampere: float = FITTED["gemm_k_half_ampere"]
     gemm_k_half_hopper: float = FITTED["gemm_k_half_hopper"]
     # Fraction of overlappable communication (`overlapped`) that hides behind compute when there
-    # is compute to hide behind.
+    # is compute to hide behind (FSDP's gathers: `fsdp_overlap`).
     overlap: float = FITTED["overlap"]
+    # The same for FSDP's per-micro-batch parameter gathers and gradient reduce-scatters: a unit
+    # cannot start before its parameters arrive (at most two gathers in flight), and its
+    # collectives take SMs and HBM bandwidth from the GEMMs they run beside, so they hide less
+    # than a bucketed gradient reduction running behind the backward does.
+    fsdp_overlap: float = FITTED["fsdp_overlap"]
+    # On a GPU, per optimizer step: host work the devices wait on outside the micro-batches'
+    # kernels (reading the loss, logging and metrics, the gradient norm for clipping, launching
+    # the optimizer's kernels, handing over the next batch). Seconds, fitted on published runs;
+    # a CPU run's host work is in the measured framework-overhead fields below instead.
+    step_host_s: float = FITTED["step_host_s"]
     # Which communication the framework overlaps with compute: "tp" (tensor-parallel
-    # collectives, async TP / TP comm overlap), "cp" (the ring's K/V passes), "pp" (send and
-    # receive), "dp" (FSDP's parameter gathers, and the gradient reduction with the last
-    # backward), "dp_under_pp" (that reduction also under pipeline parallel; torch's pipelining,
-    # which shardwise uses, runs it after the last backward), "param_gather" (ZeRO-1's
-    # all-gather of the updated parameters, with the next step's forward).
+    # collectives split into tp chunks pipelined with the GEMM chunks, as Transformer Engine's
+    # TP comm overlap does: one chunk stays exposed, `comm.pipelined`), "cp" (the ring's K/V
+    # passes), "pp" (send and receive), "dp" (FSDP's parameter gathers, and the gradient
+    # reduction with the last backward), "dp_under_pp" (that reduction also under pipeline
+    # parallel; torch's pipelining, which shardwise uses, runs it after the last backward),
+    # "param_gather" (ZeRO-1's all-gather of the updated parameters, with the next step's
+    # forward).
     overlapped: tuple[str, ...] = ("cp", "pp", "dp")
     # Parameters held in the compute dtype with fp32 masters in the optimizer (Megatron); False:
     # fp32 parameters that are their own masters (shardwise, docs/precision.md).
@@ -149,4 +161,5 @@ OVERLAPPABLE = ("tp", "cp", "pp", "dp", "dp_under_pp", "param_gather")
 #: the fitted efficiencies of `CostParams` (`planner/validate.py` fits them)
 FITTED_FIELDS = ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
                  "attention_efficiency_ampere", "attention_efficiency_hopper",
-                 "gemm_k_half_ampere", "gemm_k_half_hopper", "overlap")
+                 "gemm_k_half_ampere", "gemm_k_half_hopper", "overlap", "fsdp_overlap",
+                 "step_host_s")

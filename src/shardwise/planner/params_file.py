@@ -22,7 +22,7 @@ def validate_params(params: CostParams, origin: str = "the cost parameters") -> 
 
     if not 0 < params.efficiency <= 1:
         raise bad("efficiency", "in (0, 1]")
-    for name in ("overlap", "bandwidth_efficiency", "tp_overlap", "ep_overlap"):
+    for name in ("overlap", "fsdp_overlap", "bandwidth_efficiency", "tp_overlap", "ep_overlap"):
         value = getattr(params, name)
         if not 0 <= value <= 1:
             raise bad(name, "in [0, 1]")
@@ -30,7 +30,8 @@ def validate_params(params: CostParams, origin: str = "the cost parameters") -> 
         raise bad("bandwidth_efficiency", "above 0")
     for name in ("collective_latency_s", "fragmentation", "runtime_overhead_bytes",
                  "logits_bytes", "cpu_runtime_overhead_bytes", "cpu_fragmentation",
-                 "cpu_zero1_retained_copies", "cpu_fsdp_retained_copies", *OVERHEAD_FIELDS):
+                 "cpu_zero1_retained_copies", "cpu_fsdp_retained_copies", "step_host_s",
+                 *OVERHEAD_FIELDS):
         value = getattr(params, name)
         if not (value >= 0 and math.isfinite(value)):
             raise bad(name, "a finite number of at least 0")

@@ -9,7 +9,8 @@ fit never saw (leave-one-source-out).
   Memory does not depend on the fitted efficiencies, so which candidates fit is decided once.
 - **Error**: predicted minus measured MFU, in points, both under shardwise's FLOP convention.
 - **Fit** (`fit`): the `FITTED_FIELDS` of `CostParams` (GEMM and attention efficiency per
-  hardware generation, the GEMM's fixed cost `gemm_k_half`, the overlap share), within
+  hardware generation, the GEMM's fixed cost `gemm_k_half`, the overlap shares of background
+  collectives and of FSDP's, the host's work per step), within
   physical bounds (`BOUNDS`), minimising the squared error with every source weighted equally
   (a source of 15 rows counts as much as one of 3). Cyclic coordinate search with a golden
   section per field: deterministic, no starting-point luck, no dependency.
@@ -40,7 +41,8 @@ from shardwise.planner.published import Reference
 #: attention 50-73 % of an A100's peak (FlashAttention-2) and 35-75 % of an H100's
 #: (FlashAttention-2 to -3, cuDNN); a tile's fixed cost (filling its 4-5 stage software
 #: pipeline of 64-wide k-steps, and the epilogue's store of the output tile) is at most ~8
-#: k-steps of 64
+#: k-steps of 64; the host's work per step at most a quarter of a second (a step of a tuned run
+#: is 0.4 s and more: more would be a host-bound run, which a benchmark table does not print)
 BOUNDS: dict[str, tuple[float, float]] = {
     "gemm_efficiency_ampere": (0.40, 0.95),
     "gemm_efficiency_hopper": (0.40, 0.95),
@@ -49,6 +51,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "gemm_k_half_ampere": (0.0, 512.0),
     "gemm_k_half_hopper": (0.0, 512.0),
     "overlap": (0.0, 1.0),
+    "fsdp_overlap": (0.0, 1.0),
+    "step_host_s": (0.0, 0.25),
 }
 #: where every fit starts, whatever the defaults are (so a fit does not depend on the last one):
 #: round figures inside the bounds
@@ -56,6 +60,7 @@ START: dict[str, float] = {
     "gemm_efficiency_ampere": 0.75, "gemm_efficiency_hopper": 0.65,
     "attention_efficiency_ampere": 0.60, "attention_efficiency_hopper": 0.55,
     "gemm_k_half_ampere": 128.0, "gemm_k_half_hopper": 128.0, "overlap": 0.8,
+    "fsdp_overlap": 0.8, "step_host_s": 0.02,
 }
 #: which fields a generation's rows identify (a field no training row exercises is not fitted)
 GENERATION_FIELDS = {"ampere": ("gemm_efficiency_ampere", "attention_efficiency_ampere",
@@ -167,7 +172,8 @@ def loss(results: Sequence[RowResult]) -> float:
 
 def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
     """The fields the rows identify: a generation's GEMM efficiency only if some row runs on
-    it, its attention efficiency only if some such row uses fused attention."""
+    it, its attention efficiency only if some such row uses fused attention, FSDP's overlap
+    share only if some row shards parameters or gradients (ZeRO-2/3)."""
     per_gen = {f for fs in GENERATION_FIELDS.values() for f in fs}
     keep: set[str] = set()
     for r in refs:
@@ -177,7 +183,9 @@ def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
             keep.update((gemm, k_half))
             if r.params(CostParams()).fused_attention:
                 keep.add(attention)
-    return tuple(f for f in FITTED_FIELDS if f not in per_gen or f in keep)
+    if any(lo.zero >= 2 for r in refs for lo in r.candidates):
+        keep.add("fsdp_overlap")  # only FSDP's gathers and per-micro-batch reductions use it
+    return tuple(f for f in FITTED_FIELDS if f not in per_gen | {"fsdp_overlap"} or f in keep)
 
 
 def fit(refs: Sequence[Reference], base: CostParams = DEFAULT_PARAMS,
