@@ -127,6 +127,22 @@ def test_the_fit_recovers_efficiencies_that_generated_the_measurements(refs) -> 
     assert fitted.gemm_efficiency_hopper == pytest.approx(0.6, abs=0.01)
 
 
+def test_the_fit_minimises_the_error_plus_a_weak_prior(refs) -> None:
+    """The prior is centred on START, half a bound's span wide: zero there, a bound costs
+    PRIOR_WEIGHT x (distance / half-span)^2 squared points, and the objective adds it to the
+    sources' mean squared error."""
+    at_start = dataclasses.replace(DEFAULT_PARAMS, **validate.START)
+    assert validate.prior_penalty(at_start) == 0.0
+    low, high = validate.BOUNDS["fsdp_overlap"]
+    moved = dataclasses.replace(at_start, fsdp_overlap=high)
+    assert validate.prior_penalty(moved) == pytest.approx(
+        validate.PRIOR_WEIGHT * ((high - validate.START["fsdp_overlap"]) / ((high - low) / 2)) ** 2)
+    rows = [r for r in refs if r.source.id == "mosaicml-mpt"][:3]
+    cands = {r.id: validate.fitting_candidates(r) for r in rows}
+    assert validate.objective(rows, moved, cands) == pytest.approx(
+        validate.loss(validate.predict_all(rows, moved, cands)) + validate.prior_penalty(moved))
+
+
 def test_leave_one_source_out_never_fits_on_the_held_out_source(refs, monkeypatch) -> None:
     seen: list[set[str]] = []
 

@@ -6,38 +6,38 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 14:35 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
+GENERATED = "2026-12-05 14:49 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.763,
-    "gemm_efficiency_hopper": 0.6024,
+    "gemm_efficiency_ampere": 0.7777,
+    "gemm_efficiency_hopper": 0.574,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.75,
-    "gemm_k_half_ampere": 0.0,
-    "gemm_k_half_hopper": 512.0,
+    "attention_efficiency_hopper": 0.6195,
+    "gemm_k_half_ampere": 53.5699,
+    "gemm_k_half_hopper": 181.6005,
     "overlap": 1.0,
-    "fsdp_overlap": 0.3206,
-    "step_host_s": 0.1125,
+    "fsdp_overlap": 0.5622,
+    "step_host_s": 0.1138,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        1.2299, 1.165, 1.0771, 0.9988, 1.0389, 0.982, 1.0134, 0.9972, 1.0464, 1.0254,
-        1.0165, 0.9853, 0.9454, 0.9307, 0.9515, 0.9732, 0.9045, 0.9051,
+        1.237, 1.1704, 1.0802, 1.0006, 1.0398, 0.9825, 1.0133, 0.9971, 1.0457, 1.0242,
+        1.0184, 0.9873, 0.9473, 0.9326, 0.9533, 0.9751, 0.9063, 0.9069,
     ),
     "hopper": (
-        1.1184, 1.0472, 1.0713, 1.0209, 0.9557, 0.891, 0.8848, 0.9809, 0.941, 1.1193,
-        1.1204, 1.3535, 0.9214, 0.8074, 0.9521, 0.934, 0.8537, 0.8583, 0.8555, 0.8581,
-        0.8772, 0.8894, 0.9024, 0.9175, 0.9364, 0.931, 0.9392,
+        1.1157, 1.0626, 1.0929, 1.0395, 0.9571, 0.9002, 0.8986, 0.9918, 0.9542, 1.1227,
+        1.122, 1.1563, 0.9349, 0.825, 0.9626, 0.9444, 0.8561, 0.8601, 0.8564, 0.8488,
+        0.8674, 0.8796, 0.88, 0.8945, 0.9128, 0.8987, 0.9065,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.557,
-    "in_sample_max": 4.849,
-    "held_out_mae": 3.301,
-    "held_out_max": 8.448,
+    "in_sample_mae": 1.827,
+    "in_sample_max": 5.196,
+    "held_out_mae": 3.317,
+    "held_out_max": 7.514,
 }

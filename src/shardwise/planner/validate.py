@@ -10,7 +10,7 @@ fit never saw (leave-one-source-out).
 - **Error**: predicted minus measured MFU, in points, both under shardwise's FLOP convention.
 - **Fit** (`fit`): the `FITTED_FIELDS` of `CostParams` (GEMM and attention efficiency per
   hardware generation, the GEMM's fixed cost `gemm_k_half`, the overlap shares of background
-  collectives and of FSDP's, the host's work per step), within
+  collectives and of FSDP's, the host's work per step), under a weak prior (`PRIOR_WEIGHT`), within
   physical bounds (`BOUNDS`), minimising the squared error with every source weighted equally
   (a source of 15 rows counts as much as one of 3). Cyclic coordinate search with a golden
   section per field: deterministic, no starting-point luck, no dependency.
@@ -54,14 +54,22 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "fsdp_overlap": (0.0, 1.0),
     "step_host_s": (0.0, 0.25),
 }
-#: where every fit starts, whatever the defaults are (so a fit does not depend on the last one):
-#: round figures inside the bounds
+#: where every fit starts, whatever the defaults are (so a fit does not depend on the last one),
+#: and the centre of the prior (`PRIOR_WEIGHT`): round figures inside the bounds
 START: dict[str, float] = {
     "gemm_efficiency_ampere": 0.75, "gemm_efficiency_hopper": 0.65,
     "attention_efficiency_ampere": 0.60, "attention_efficiency_hopper": 0.55,
     "gemm_k_half_ampere": 128.0, "gemm_k_half_hopper": 128.0, "overlap": 0.8,
-    "fsdp_overlap": 0.8, "step_host_s": 0.02,
+    "fsdp_overlap": 0.8, "step_host_s": 0.05,
 }
+#: A Gaussian prior on each fitted field, centred on START with a standard deviation of half
+#: its bounds' span, makes the fit a maximum a posteriori estimate: minimise the sources' mean
+#: squared error + PRIOR_WEIGHT x sum((x - start) / (span / 2))^2, where PRIOR_WEIGHT is the
+#: residual variance (~5 points^2, the in-sample mean squared error) over the sources the loss
+#: averages (5). Without it a field that only one source identifies runs to a bound when that
+#: source is held out (FSDP's overlap share without MosaicML, the Hopper attention efficiency
+#: without Llama 3's 128K row), and the held-out source pays for it.
+PRIOR_WEIGHT = 1.0
 #: which fields a generation's rows identify (a field no training row exercises is not fitted)
 GENERATION_FIELDS = {"ampere": ("gemm_efficiency_ampere", "attention_efficiency_ampere",
                                 "gemm_k_half_ampere"),
@@ -170,6 +178,19 @@ def loss(results: Sequence[RowResult]) -> float:
     return sum(statistics.mean(v) for v in by.values()) / max(len(by), 1)
 
 
+def prior_penalty(params: CostParams) -> float:
+    """The prior's term of the objective (`PRIOR_WEIGHT`), in squared points."""
+    return PRIOR_WEIGHT * sum(
+        ((getattr(params, f) - START[f]) / ((BOUNDS[f][1] - BOUNDS[f][0]) / 2)) ** 2
+        for f in FITTED_FIELDS)
+
+
+def objective(refs: Sequence[Reference], params: CostParams,
+              cands: Mapping[str, tuple[tuple, bool]]) -> float:
+    """What the fit minimises: `loss` of the rows predicted with `params`, plus the prior."""
+    return loss(predict_all(refs, params, cands)) + prior_penalty(params)
+
+
 def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
     """The fields the rows identify: a generation's GEMM efficiency only if some row runs on
     it, its attention efficiency only if some such row uses fused attention, FSDP's overlap
@@ -191,7 +212,7 @@ def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
 def fit(refs: Sequence[Reference], base: CostParams = DEFAULT_PARAMS,
         candidates: Mapping[str, tuple[tuple, bool]] | None = None,
         progress: Callable[[str], None] | None = None) -> CostParams:
-    """The fitted fields (`fitted_fields`) minimising `loss` over `refs`, within `BOUNDS`,
+    """The fitted fields (`fitted_fields`) minimising `objective` over `refs`, within `BOUNDS`,
     from `START` (the fields the rows do not identify keep their `START` values): a golden
     section along each field in turn, then a Nelder-Mead simplex over all of them together (the
     efficiency and the fixed cost of one generation trade off against each other, which a
@@ -199,7 +220,7 @@ def fit(refs: Sequence[Reference], base: CostParams = DEFAULT_PARAMS,
     cands = candidates or {r.id: fitting_candidates(r) for r in refs}
     fields = fitted_fields(refs)
     params = _with(base, START)
-    current = loss(predict_all(refs, params, cands))
+    current = objective(refs, params, cands)
     for _ in range(COORDINATE_SWEEPS):
         for name in fields:
             params, current = _golden(refs, params, name, cands, current)
@@ -223,7 +244,7 @@ def _golden(refs: Sequence[Reference], params: CostParams, name: str,
     lo, hi = BOUNDS[name]
 
     def value_loss(x: float) -> float:
-        return loss(predict_all(refs, _with(params, {name: x}), cands))
+        return objective(refs, _with(params, {name: x}), cands)
 
     ratio = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
@@ -255,7 +276,7 @@ def _simplex(refs: Sequence[Reference], params: CostParams, fields: tuple[str, .
                               for i, f in enumerate(fields)})
 
     def f(u: Sequence[float]) -> float:
-        return loss(predict_all(refs, at(u), cands))
+        return objective(refs, at(u), cands)
 
     x0 = [(getattr(params, name) - lo[i]) / span[i] for i, name in enumerate(fields)]
     simplex = [x0] + [[x + (SIMPLEX_STEP if j == i else 0.0) for j, x in enumerate(x0)]
