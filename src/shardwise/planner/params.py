@@ -61,10 +61,11 @@ class CostParams:
     # collectives take SMs and HBM bandwidth from the GEMMs they run beside, so they hide less
     # than a bucketed gradient reduction running behind the backward does.
     fsdp_overlap: float = FITTED["fsdp_overlap"]
-    # On a GPU, per optimizer step: host work the devices wait on outside the micro-batches'
-    # kernels (reading the loss, logging and metrics, the gradient norm for clipping, launching
-    # the optimizer's kernels, handing over the next batch). Seconds, fitted on published runs;
-    # a CPU run's host work is in the measured framework-overhead fields below instead.
+    # On a GPU of a known generation (the kernel model), per optimizer step: host work the
+    # devices wait on outside the micro-batches' kernels (reading the loss, logging and metrics,
+    # the gradient norm for clipping, launching the optimizer's kernels, handing over the next
+    # batch). Seconds, fitted on published runs; a CPU run's host work is in the measured
+    # framework-overhead fields below instead.
     step_host_s: float = FITTED["step_host_s"]
     # Which communication the framework overlaps with compute: "tp" (tensor-parallel
     # collectives split into tp chunks pipelined with the GEMM chunks, as Transformer Engine's
