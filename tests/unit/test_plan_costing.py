@@ -101,11 +101,11 @@ def test_fsdp_gathers_hide_by_their_own_share() -> None:
 
 
 def test_a_gpu_steps_host_work_adds_once_per_step_and_a_cpus_does_not() -> None:
-    lo = Layout(dp_shard=8, zero=3)
     batch = Batch(64, 2048)
     for cluster, added in ((resolve_cluster("dgx-h100", nodes=1), 0.25),
                            (resolve_cluster("cpu-local"), 0.0)):
         model = preset("llama3-8b") if added else GPT
+        lo = Layout(dp_shard=cluster.world, zero=3)
         base = predict(lo, model, cluster, batch, CostParams(step_host_s=0.0))
         more = predict(lo, model, cluster, batch, CostParams(step_host_s=0.25))
         assert more.step_time_s - base.step_time_s == pytest.approx(added)

@@ -195,7 +195,7 @@ def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
     """The fields the rows identify: a generation's GEMM efficiency only if some row runs on
     it, its attention efficiency only if some such row uses fused attention, FSDP's overlap
     share only if some row shards parameters or gradients (ZeRO-2/3)."""
-    per_gen = {f for fs in GENERATION_FIELDS.values() for f in fs}
+    conditional = {f for fs in GENERATION_FIELDS.values() for f in fs} | {"fsdp_overlap"}
     keep: set[str] = set()
     for r in refs:
         gen = r.cluster.device.generation
@@ -206,7 +206,7 @@ def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
                 keep.add(attention)
     if any(lo.zero >= 2 for r in refs for lo in r.candidates):
         keep.add("fsdp_overlap")  # only FSDP's gathers and per-micro-batch reductions use it
-    return tuple(f for f in FITTED_FIELDS if f not in per_gen | {"fsdp_overlap"} or f in keep)
+    return tuple(f for f in FITTED_FIELDS if f not in conditional or f in keep)
 
 
 def fit(refs: Sequence[Reference], base: CostParams = DEFAULT_PARAMS,
