@@ -10,7 +10,8 @@ Step time, per pipeline rank r and micro-batch (m per step):
             + CP K/V passes, PP send/recv, FSDP all-gathers   (overlapped when `overlapped` says)
             + framework overhead (CPU; on a GPU: max(tau_r, host work))
     step  = (m + bubble slots) x max_r tau_r
-            + exposed gradient reduction + ZeRO-1's parameter all-gather + the optimizer step
+            + exposed gradient reduction + the per-step parameter all-gather (ZeRO-1's of
+              the updated shards; ZeRO-2's under pipeline parallel) + the optimizer step
 with `comm.exposed(comm, window, overlap)` the part not hidden behind compute (TP collectives a
 framework overlaps are pipelined chunk by chunk with their GEMMs instead: `comm.pipelined`), and
 on a GPU `CostParams.step_host_s` of host work per step on top.
@@ -288,10 +289,13 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
         exposed["ep"] = a_time["ep"] * (1 - p.ep_overlap)
     # pipeline: each rank sends v activations forward and v gradients back per micro-batch.
     if lo.pp > 1:
-        sp_div = lo.tp if lo.sequence_parallel else 1
-        size = max(q, p.residual_bytes) * ctx.local_tokens * h / sp_div
+        whole = max(q, p.residual_bytes) * ctx.local_tokens * h
+        scatter = p.pp_scatter_gather and lo.tp > 1 and not lo.sequence_parallel
+        size = whole / lo.tp if lo.sequence_parallel or scatter else whole
         n_p2p = 2 * (2 if lo.schedule == "zero-bubble" else lo.v)
-        a_time["pp"] = n_p2p * comm.p2p_in(size, g["pp"], ctx.pp_inter)
+        # scatter/gather: each rank sends its 1/tp, the receivers all-gather the whole
+        gather = comm.all_gather(whole, g["tp"]) if scatter else 0.0
+        a_time["pp"] = n_p2p * (comm.p2p_in(size, g["pp"], ctx.pp_inter) + gather)
         a_bytes["pp"] = n_p2p * size
         exposed["pp"] = comm.exposed(a_time["pp"], t_comp, p.overlap) if ctx.overlaps("pp") \
             else a_time["pp"]
@@ -349,8 +353,10 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
     overlapped = ctx.overlaps("dp") and (lo.pp == 1 or ctx.overlaps("dp_under_pp"))
     out = {"param_gather": 0.0, "optimizer": 0.0}
     if dc.param_gather:
+        # ZeRO-1's gather of the updated shards, or ZeRO-2's once-per-step gather under PP
+        how = "param_gather" if lo.zero == 1 else "dp"
         out["param_gather"] = comm.exposed(dc.param_gather, t_comp / 3, p.overlap) \
-            if ctx.overlaps("param_gather") else dc.param_gather
+            if ctx.overlaps(how) else dc.param_gather
     if ctx.chip is not None:
         out["optimizer"] = optimizer_time(dc.shard_params, p.grad_bytes, p.low_precision_params,
                                           ctx.chip)

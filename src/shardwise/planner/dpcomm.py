@@ -1,6 +1,7 @@
 """Data-parallel communication of one rank per step, before overlap: FSDP's per-unit all-gathers
 and reduce-scatters (`CostParams.reduce_every_micro_batch`: every micro-batch, or once after the
-last backward), HSDP's all-reduce across replicas, DDP's bucketed all-reduce, Megatron's
+last backward; under pipeline parallel ZeRO-2 keeps the stage gathered and gathers once per
+step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's bucketed all-reduce, Megatron's
 distributed optimizer (reduce-scatter of the gradients, all-gather of the low-precision
 parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter tensor). How
 much of it hides behind compute is the cost model's business (`planner/cost.py`). Cached: the
@@ -29,7 +30,7 @@ class DpComm:
     gather_per_mb: float  # FSDP's all-gathers, per micro-batch
     early_reduce_per_mb: float  # reduce-scatters run under the next micro-batch's backward
     sync: float  # the reduction after the last backward
-    param_gather: float  # ZeRO-1's all-gather of the updated parameters
+    param_gather: float  # per step: ZeRO-1's gather of the updated shards, ZeRO-2's under PP
     shard_params: float  # parameters the rank's optimizer updates
     time_shard: float
     time_replicate: float
@@ -75,9 +76,15 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
             gb * expert_p, g["shard_experts"]) + lat
         reductions = m if reduce_every_micro_batch else 1
         t_ar = comm.all_reduce(gb * (dense_p / nd + expert_p / ne), g["replicate"])
+        # ZeRO-2 under pipeline parallel keeps the stage's parameters gathered for the whole
+        # step: its one gather runs with the first micro-batch's forward, unit by unit as
+        # Megatron's overlapped parameter gather does, not on every micro-batch's path
+        once = lo.zero == 2 and lo.pp > 1
         return DpComm(
-            gather_per_mb=gathers * t_ag / m, early_reduce_per_mb=(reductions - 1) * t_rs / m,
-            sync=t_rs + t_ar, param_gather=0.0, shard_params=dense_p / nd + expert_p / ne,
+            gather_per_mb=0.0 if once else gathers * t_ag / m,
+            early_reduce_per_mb=(reductions - 1) * t_rs / m,
+            sync=t_rs + t_ar, param_gather=t_ag if once else 0.0,
+            shard_params=dense_p / nd + expert_p / ne,
             time_shard=gathers * t_ag + reductions * t_rs, time_replicate=t_ar,
             bytes_shard=gathers * ((nd - 1) / nd * gather + (ne - 1) / ne * gather_linear
                                    * expert_p)
