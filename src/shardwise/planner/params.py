@@ -56,7 +56,8 @@ class CostParams:
     # Fraction of overlappable communication (`overlapped`) that hides behind compute when there
     # is compute to hide behind (FSDP's gathers: `fsdp_overlap`).
     overlap: float = FITTED["overlap"]
-    # The same for FSDP's per-micro-batch parameter gathers and gradient reduce-scatters: a unit
+    # The same for FSDP's per-micro-batch parameter gathers and gradient reduce-scatters (ZeRO-3;
+    # ZeRO-2 without pipeline parallel; under it ZeRO-2 gathers once per step, under `overlap`): a unit
     # cannot start before its parameters arrive (at most two gathers in flight), and its
     # collectives take SMs and HBM bandwidth from the GEMMs they run beside, so they hide less
     # than a bucketed gradient reduction running behind the backward does.
@@ -70,7 +71,8 @@ class CostParams:
     # Which communication the framework overlaps with compute: "tp" (tensor-parallel
     # collectives split into tp chunks pipelined with the GEMM chunks, as Transformer Engine's
     # TP comm overlap does: one chunk stays exposed, `comm.pipelined`), "cp" (the ring's K/V
-    # passes), "pp" (send and receive), "dp" (FSDP's parameter gathers, and the gradient
+    # passes), "pp" (send and receive), "dp" (FSDP's parameter gathers, ZeRO-2's once-per-step
+    # gather under pipeline parallel with the first micro-batch's forward, and the gradient
     # reduction with the last backward), "dp_under_pp" (that reduction also under pipeline
     # parallel; torch's pipelining, which shardwise uses, runs it after the last backward),
     # "param_gather" (ZeRO-1's all-gather of the updated parameters, with the next step's
@@ -98,6 +100,11 @@ class CostParams:
     # not overlap them (async TP / DualPipe would); 0 = fully exposed.
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
+    # Megatron's scatter/gather pipeline optimisation (Narayanan et al. SC21 §4.1; on by default
+    # there, and only without sequence parallelism): each tensor-parallel rank sends 1/tp of the
+    # activation over its own NIC and the receiving ranks all-gather it over NVLink. False:
+    # every tensor-parallel rank sends the whole (replicated) activation, as shardwise does.
+    pp_scatter_gather: bool = False
     # Memory: the caching allocator's reserved-but-unused share of what is allocated.
     fragmentation: float = 0.10
     # CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicator buffers per rank.
