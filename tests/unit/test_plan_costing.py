@@ -44,6 +44,32 @@ def test_gemm_time_is_flops_over_the_efficiency_it_earns() -> None:
         2 * (8 * 4096 + 4096 * 4096 + 8 * 4096) / 2e12)
 
 
+def test_a_batched_gemm_fills_the_sms_with_all_its_problems() -> None:
+    """Unfused attention's per-head products are one torch.bmm: 24 problems of 16 x 1 tiles
+    (2048 x 96 outputs) share the waves instead of each idling 84 of 100 SMs."""
+    m, n, k, heads = 2048, 96, 2048, 24
+    compute_bound = kernels.Chip(peak=1e15, gemm=0.5, attention=0.4, k_half=128.0, sms=100,
+                                 hbm=0.0)
+    one = kernels.gemm_time(m, n, k, compute_bound)
+    batched = kernels.gemm_time(m, n, k, compute_bound, 2, heads)
+    assert kernels.wave_efficiency(m, n, 100) == pytest.approx((m * n / 128**2) / 100)
+    # 24 x 16 = 384 tiles: 4 waves of 100
+    eff = kernels.wave_efficiency(m, n, 100, heads)
+    assert eff == pytest.approx((heads * m * n / 128**2) / (4 * 100))
+    assert batched == pytest.approx(2 * heads * m * n * k / (1e15 * 0.5 * k / (k + 128) * eff))
+    assert batched < heads * one / 5
+    assert kernels.gemm_time(m, n, k, compute_bound, 2, 1) == one
+    # never faster than moving its operands: reading the s x s probabilities binds here
+    moved = heads * 2 * (m * k + k * n + m * n) / 2e12
+    assert kernels.gemm_time(m, n, k, CHIP, 2, heads) == pytest.approx(max(moved, batched))
+    # the unfused attention core times its score and value products as such batched GEMMs
+    s, mb, a, hd = 512, 2, 8, 128
+    fwd, _ = kernels._attention(mb, s, 1, 1, a, hd, 2, False, False, CHIP)
+    per = mb * a
+    assert fwd.attention == pytest.approx(kernels.gemm_time(s, s, hd, CHIP, 2, per)
+                                          + kernels.gemm_time(s, hd, s, CHIP, 2, per))
+
+
 def test_memory_bound_bytes_of_a_block_are_counted_per_op() -> None:
     """GeLU block, bf16 (q = r = 2), no dropout, tp 1: forward moves 2 norms x (r+q) + 2 residual
     adds x (q+2r) bytes per hidden element and 2q per FFN element; backward twice that."""
@@ -98,6 +124,43 @@ def test_fsdp_gathers_hide_by_their_own_share() -> None:
         exposed[share] = p.breakdown["dp_fsdp"]
     assert exposed[0.0] > exposed[0.5] > exposed[1.0] >= 0.0
     assert exposed[0.5] == pytest.approx(exposed[0.0] / 2)
+
+
+def test_zero2_under_pp_gathers_once_per_step_like_an_overlapped_parameter_gather() -> None:
+    """ZeRO-2 under pipeline parallel keeps the stage gathered for the step: its one gather runs
+    with the first micro-batch's forward (a per-step term under `overlap`), not per micro-batch
+    under FSDP's share; with "dp" not overlapped it is exposed whole."""
+    lo = Layout(dp_shard=8, zero=2, tp=8, pp=4, schedule="1f1b", sequence_parallel=True)
+    cluster, model, batch = resolve_cluster("dgx-h100", nodes=32), preset("llama3-70b"), \
+        Batch(256, 4096)
+    hidden = predict(lo, model, cluster, batch, CostParams(fsdp_overlap=0.0, overlap=1.0))
+    exposed = predict(lo, model, cluster, batch, CostParams(fsdp_overlap=1.0, overlap=1.0,
+                                                            overlapped=()))
+    assert hidden.breakdown["dp_fsdp"] == 0.0 == exposed.breakdown["dp_fsdp"]
+    assert exposed.breakdown["param_gather"] > hidden.breakdown["param_gather"] >= 0.0
+    gather = exposed.breakdown["param_gather"]
+    assert hidden.breakdown["param_gather"] == pytest.approx(
+        max(gather - hidden.compute_s / hidden.micro_batches / 3, 0.0), rel=0.05)
+    # without pipeline parallel the same ZeRO-2 gathers every micro-batch under FSDP's share
+    flat = Layout(dp_shard=32, zero=2, tp=8, sequence_parallel=True)
+    p = predict(flat, model, cluster, batch, CostParams(fsdp_overlap=0.0))
+    assert p.breakdown["dp_fsdp"] > 0.0 and p.breakdown["param_gather"] == 0.0
+
+
+def test_megatrons_scatter_gather_sends_a_tp_share_and_gathers_it_over_nvlink() -> None:
+    """Without sequence parallelism every TP rank sends the whole activation; with Megatron's
+    scatter/gather each sends 1/tp and the receivers all-gather it (SC21 §4.1)."""
+    lo = Layout(dp_shard=2, zero=1, tp=8, pp=4, schedule="1f1b")
+    cluster, model, batch = resolve_cluster("dgx-h100", nodes=8), preset("llama3-70b"), \
+        Batch(64, 4096)
+    plain = predict(lo, model, cluster, batch, CostParams(overlapped=()))
+    split = predict(lo, model, cluster, batch, CostParams(overlapped=(), pp_scatter_gather=True))
+    assert 0.0 < split.comm_time_s["pp"] < plain.comm_time_s["pp"] / 2
+    assert split.comm_bytes["pp"] == pytest.approx(plain.comm_bytes["pp"] / 8)
+    # under sequence parallelism the activation is already split: the flag changes nothing
+    sp = Layout(dp_shard=2, zero=1, tp=8, pp=4, schedule="1f1b", sequence_parallel=True)
+    assert predict(sp, model, cluster, batch, CostParams(pp_scatter_gather=True)).comm_time_s[
+        "pp"] == pytest.approx(predict(sp, model, cluster, batch, CostParams()).comm_time_s["pp"])
 
 
 def test_a_gpu_steps_host_work_adds_once_per_step_and_a_cpus_does_not() -> None:
