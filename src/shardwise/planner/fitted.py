@@ -6,38 +6,38 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 14:49 UTC from published_runs.toml (sha256 2da631d822fcebe3...)"
+GENERATED = "2026-12-05 16:48 UTC from published_runs.toml (sha256 11066c698f771845...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.7777,
-    "gemm_efficiency_hopper": 0.574,
+    "gemm_efficiency_ampere": 0.706,
+    "gemm_efficiency_hopper": 0.5778,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.6195,
-    "gemm_k_half_ampere": 53.5699,
-    "gemm_k_half_hopper": 181.6005,
+    "attention_efficiency_hopper": 0.641,
+    "gemm_k_half_ampere": 173.6456,
+    "gemm_k_half_hopper": 188.3647,
     "overlap": 1.0,
-    "fsdp_overlap": 0.5622,
-    "step_host_s": 0.1138,
+    "fsdp_overlap": 0.471,
+    "step_host_s": 0.1184,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        1.237, 1.1704, 1.0802, 1.0006, 1.0398, 0.9825, 1.0133, 0.9971, 1.0457, 1.0242,
-        1.0184, 0.9873, 0.9473, 0.9326, 0.9533, 0.9751, 0.9063, 0.9069,
+        0.953, 0.9595, 0.983, 0.9614, 1.0141, 0.9499, 0.9989, 0.9942, 1.0067, 1.0546,
+        1.074, 1.0401, 0.997, 0.9806, 1.0046, 1.0261, 0.9528, 0.9518,
     ),
     "hopper": (
-        1.1157, 1.0626, 1.0929, 1.0395, 0.9571, 0.9002, 0.8986, 0.9918, 0.9542, 1.1227,
-        1.122, 1.1563, 0.9349, 0.825, 0.9626, 0.9444, 0.8561, 0.8601, 0.8564, 0.8488,
-        0.8674, 0.8796, 0.88, 0.8945, 0.9128, 0.8987, 0.9065,
+        1.127, 1.065, 1.095, 1.0424, 0.955, 0.8955, 0.8926, 0.9839, 0.9458, 1.1165,
+        1.1145, 1.1782, 0.9394, 0.8592, 0.9621, 0.9461, 0.8863, 0.8897, 0.8849, 0.8632,
+        0.8816, 0.8853, 0.8877, 0.9022, 0.9204, 0.9088, 0.9165,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.827,
-    "in_sample_max": 5.196,
-    "held_out_mae": 3.317,
-    "held_out_max": 7.514,
+    "in_sample_mae": 1.543,
+    "in_sample_max": 4.129,
+    "held_out_mae": 2.78,
+    "held_out_max": 6.088,
 }
