@@ -1,11 +1,11 @@
 """Data-parallel communication of one rank per step, before overlap: FSDP's per-unit all-gathers
 and reduce-scatters (`CostParams.reduce_every_micro_batch`: every micro-batch, or once after the
 last backward; under pipeline parallel ZeRO-2 keeps the stage gathered and gathers once per
-step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's bucketed all-reduce, Megatron's
-distributed optimizer (reduce-scatter of the gradients, all-gather of the low-precision
-parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter tensor). How
-much of it hides behind compute is the cost model's business (`planner/cost.py`). Cached: the
-search predicts many layouts that differ only in micro-batch and recompute."""
+step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's bucketed
+all-reduce, Megatron's distributed optimizer (reduce-scatter of the gradients, all-gather of the
+low-precision parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter
+tensor). How much of it hides behind compute is the cost model's business (`planner/cost.py`).
+Cached: the search predicts many layouts that differ only in micro-batch and recompute."""
 
 from __future__ import annotations
 

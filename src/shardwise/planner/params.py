@@ -57,8 +57,8 @@ class CostParams:
     # is compute to hide behind (FSDP's gathers: `fsdp_overlap`).
     overlap: float = FITTED["overlap"]
     # The same for FSDP's per-micro-batch parameter gathers and gradient reduce-scatters (ZeRO-3;
-    # ZeRO-2 without pipeline parallel; under it ZeRO-2 gathers once per step, under `overlap`): a unit
-    # cannot start before its parameters arrive (at most two gathers in flight), and its
+    # ZeRO-2 without pipeline parallel; under it ZeRO-2 gathers once per step, under `overlap`):
+    # a unit cannot start before its parameters arrive (at most two gathers in flight), and its
     # collectives take SMs and HBM bandwidth from the GEMMs they run beside, so they hide less
     # than a bucketed gradient reduction running behind the backward does.
     fsdp_overlap: float = FITTED["fsdp_overlap"]
