@@ -12,7 +12,9 @@ import pytest
 
 from shardwise.planner import accuracy, published, validate
 from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
+from shardwise.planner.dpcomm import fsdp_per_micro_batch
 from shardwise.planner.fitted import FITTED, HELD_OUT_RATIOS, SCORES
+from shardwise.planner.layout import Layout
 from shardwise.planner.params import CostParams
 
 REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
@@ -169,6 +171,22 @@ def test_fitted_fields_follow_what_the_rows_exercise(refs) -> None:
     assert "overlap" in fields and "step_host_s" in fields
     mpt = [r for r in refs if r.source.id == "mosaicml-mpt"]
     assert "fsdp_overlap" in validate.fitted_fields(mpt)
+    # Llama 3's ZeRO-2 under pipeline parallel gathers once per step (under `overlap`) and
+    # reduces once: nothing it does is on every micro-batch's path
+    llama = [r for r in refs if r.source.id == "llama3-2024"]
+    assert "fsdp_overlap" not in validate.fitted_fields(llama)
+    assert "fsdp_overlap" in validate.fitted_fields(llama + mpt)
+
+
+def test_fsdp_works_per_micro_batch_unless_zero2_keeps_the_stage_gathered() -> None:
+    assert fsdp_per_micro_batch(Layout(dp_shard=8, zero=3, pp=4), 8, False)
+    assert fsdp_per_micro_batch(Layout(dp_shard=8, zero=2), 8, False)
+    assert not fsdp_per_micro_batch(Layout(dp_shard=8, zero=2, pp=4), 8, False)
+    # ...unless it reduce-scatters every micro-batch and there is more than one
+    assert fsdp_per_micro_batch(Layout(dp_shard=8, zero=2, pp=4), 8, True)
+    assert not fsdp_per_micro_batch(Layout(dp_shard=8, zero=2, pp=4), 1, True)
+    assert not fsdp_per_micro_batch(Layout(dp_shard=8, zero=1), 8, True)
+    assert not fsdp_per_micro_batch(Layout(dp_shard=1, zero=3), 8, True)
 
 
 def test_the_interval_is_the_held_out_residuals_quantiles() -> None:

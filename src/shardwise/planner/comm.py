@@ -235,4 +235,3 @@ def mesh_groups(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int, ep:
         "dp": cached_group(dp, st["dp_shard"], cluster, eff, base),
     }
     return groups, pp * st["pp"] > cluster.devices_per_node
-

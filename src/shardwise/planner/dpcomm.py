@@ -39,6 +39,22 @@ class DpComm:
     replicate_axis: bool  # DDP: the reduction runs on dp_replicate
 
 
+def gathers_once_per_step(lo: Layout) -> bool:
+    """ZeRO-2 under pipeline parallel keeps the stage's parameters gathered for the whole step:
+    its one gather runs with the first micro-batch's forward, unit by unit as Megatron's
+    overlapped parameter gather does, not on every micro-batch's path."""
+    return lo.zero == 2 and lo.pp > 1
+
+
+def fsdp_per_micro_batch(lo: Layout, m: int, reduce_every_micro_batch: bool) -> bool:
+    """Whether FSDP communicates on every micro-batch's path, where `CostParams.fsdp_overlap`
+    says how much hides: its gathers (ZeRO-3, and ZeRO-2 without pipeline parallel), or its
+    reduce-scatters before the last backward."""
+    if lo.zero < 2 or lo.dp_shard * lo.cp <= 1:
+        return False
+    return not gathers_once_per_step(lo) or (reduce_every_micro_batch and m > 1)
+
+
 def dp_comm(model: ModelDims, load: RankLoad, lo: Layout, m: int, precision: str,
             cluster: ClusterSpec, params: CostParams) -> DpComm:
     """What `lo`'s data parallelism communicates on a rank of this `load` (micro-batch and
@@ -76,10 +92,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
             gb * expert_p, g["shard_experts"]) + lat
         reductions = m if reduce_every_micro_batch else 1
         t_ar = comm.all_reduce(gb * (dense_p / nd + expert_p / ne), g["replicate"])
-        # ZeRO-2 under pipeline parallel keeps the stage's parameters gathered for the whole
-        # step: its one gather runs with the first micro-batch's forward, unit by unit as
-        # Megatron's overlapped parameter gather does, not on every micro-batch's path
-        once = lo.zero == 2 and lo.pp > 1
+        once = gathers_once_per_step(lo)
         return DpComm(
             gather_per_mb=0.0 if once else gathers * t_ag / m,
             early_reduce_per_mb=(reductions - 1) * t_rs / m,

@@ -35,6 +35,7 @@ from shardwise.planner.cost import (
     predict,
     predict_memory,
 )
+from shardwise.planner.dpcomm import fsdp_per_micro_batch
 from shardwise.planner.published import Reference
 
 #: physical bounds of each fitted field: GEMMs reach at most ~95 % of the dense peak; fused
@@ -194,7 +195,7 @@ def objective(refs: Sequence[Reference], params: CostParams,
 def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
     """The fields the rows identify: a generation's GEMM efficiency only if some row runs on
     it, its attention efficiency only if some such row uses fused attention, FSDP's overlap
-    share only if some row shards parameters or gradients (ZeRO-2/3)."""
+    share only if some row's FSDP communicates on every micro-batch (`fsdp_per_micro_batch`)."""
     conditional = {f for fs in GENERATION_FIELDS.values() for f in fs} | {"fsdp_overlap"}
     keep: set[str] = set()
     for r in refs:
@@ -204,8 +205,10 @@ def fitted_fields(refs: Sequence[Reference]) -> tuple[str, ...]:
             keep.update((gemm, k_half))
             if r.params(CostParams()).fused_attention:
                 keep.add(attention)
-    if any(lo.zero >= 2 for r in refs for lo in r.candidates):
-        keep.add("fsdp_overlap")  # only FSDP's gathers and per-micro-batch reductions use it
+    if any(fsdp_per_micro_batch(lo, lo.micro_batches(r.batch),
+                                r.params(CostParams()).reduce_every_micro_batch)
+           for r in refs for lo in r.candidates):
+        keep.add("fsdp_overlap")
     return tuple(f for f in FITTED_FIELDS if f not in conditional or f in keep)
 
 
