@@ -81,8 +81,8 @@ def test_every_row_is_predicted_within_the_reported_error(results) -> None:
 
 def test_every_published_layout_fits_but_llama3s_8k_rows(results) -> None:
     """A run that ran fits; the two 8K Llama 3 rows do not under the textbook activation count
-    (Korthikanti et al.) at 16-18 micro-batches in flight: Meta's deallocation and schedule
-    changes that made them fit are not published (the report says so)."""
+    (Korthikanti et al.) at 16-18 micro-batches of 8 blocks in flight: how Meta's deallocation
+    made them fit is not published (the report says so)."""
     not_fitting = {r.ref.id for r in results if not r.any_fits}
     assert not_fitting == {"llama3-405b-8k-8192gpu", "llama3-405b-8k-16384gpu"}
 
@@ -92,6 +92,19 @@ def test_unknown_fields_are_searched_and_the_choice_is_printed(refs, results) ->
     assert set(r.ref.unknown) == {"schedule", "v", "micro_batch", "recompute"}
     assert len(r.ref.candidates) > 10
     assert "mb " in r.chosen() and "recompute " in r.chosen()
+
+
+def test_an_unknown_v_divides_what_the_stacks_split_puts_on_a_rank(refs) -> None:
+    """Llama 3's split counts the embedding and the head as blocks (§3.3.2), so its 126 blocks
+    + 2 put 8 units on each of 16 ranks and v is searched over 8's divisors, not 7's (126 // 16);
+    a source without that split keeps the blocks' count."""
+    llama = next(x for x in refs if x.id == "llama3-405b-8k-16384gpu")
+    assert llama.params(DEFAULT_PARAMS).pp_ends_as_layers
+    assert {lo.v for lo in llama.candidates} == {2, 4, 8}
+    spec = {"tp": 8, "pp": 16, "cp": 1, "dp": 128, "zero": 2, "schedule": "interleaved-1f1b",
+            "v": published.UNKNOWN, "micro_batch": 1, "recompute": "none"}
+    plain = published.candidate_layouts(spec, llama.model, llama.batch)
+    assert {lo.v for lo in plain} == {7}
 
 
 def test_params_apply_a_sources_mechanics_without_shardwise_overheads(refs) -> None:

@@ -26,6 +26,13 @@ minimises the most expensive stage, where a stage costs its blocks' FLOPs (recom
 and the last stage also the output projection (the loss's elementwise work is not modelled).
 Stage s sits on rank s mod p (looped placement), or for ZBV on ranks s and 2p-1-s (the V), as
 `shardwise.parallel.pipeline.stage_ids` places them.
+
+With `ends` (Megatron's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split; the Llama 3 paper, §3.3.2: "the first model chunk on the first
+stage has only the embedding, and the last model chunk on the last stage has only output projection
+and loss calculation") the embedding and the output head count as one block each and the l + 2
+units are split evenly by count, as Megatron splits them: the first and last stages may hold no
+block.
 """
 
 from __future__ import annotations
@@ -87,12 +94,15 @@ def _layer_costs(model: ModelDims, seq_len: int, recompute: str, ac_every: int) 
 
 @lru_cache(maxsize=4096)
 def layer_split(model: ModelDims, stages: int, seq_len: int, recompute: str = "none",
-                ac_every: int = 2) -> tuple[int, ...]:
+                ac_every: int = 2, ends: bool = False) -> tuple[int, ...]:
     """Blocks per virtual stage (length `stages`, each >= 1), minimising the largest stage cost
-    (blocks' FLOPs + the output projection on the last)."""
+    (blocks' FLOPs + the output projection on the last); with `ends`, the embedding and the head
+    as one block each, split by count (see the module docstring)."""
     n = model.layers
     if stages <= 1:
         return (n,)
+    if ends:
+        return ends_split(n, stages)
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} blocks")
     costs = _layer_costs(model, seq_len, recompute, ac_every)
@@ -141,6 +151,17 @@ def _cut(prefix: list[float], head: float, stages: int, limit: float,
     return sizes
 
 
+def ends_split(n: int, stages: int) -> tuple[int, ...]:
+    """Blocks per stage when the embedding (first unit) and the head (last unit) count as blocks:
+    n + 2 units split evenly by count, the earlier stages taking the remainder."""
+    if stages > n + 2:
+        raise ValueError(f"{stages} pipeline stages for {n} blocks, the embedding and the head")
+    units = _even(n + 2, stages)
+    units[0] -= 1
+    units[-1] -= 1
+    return tuple(units)
+
+
 def _even(n: int, stages: int) -> list[int]:
     base, extra = divmod(n, stages)
     return [base + (1 if s < extra else 0) for s in range(stages)]
@@ -148,9 +169,10 @@ def _even(n: int, stages: int) -> list[int]:
 
 @lru_cache(maxsize=4096)
 def rank_groups(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, recompute: str,
-                ac_every: int) -> tuple[tuple[int, ...], tuple[RankLoad, ...], tuple[int, ...]]:
+                ac_every: int, ends: bool = False
+                ) -> tuple[tuple[int, ...], tuple[RankLoad, ...], tuple[int, ...]]:
     """(the layer split, the distinct loads, the index into them of each of the pp ranks)."""
-    split, loads = rank_loads(model, pp, v, schedule, seq_len, recompute, ac_every)
+    split, loads = rank_loads(model, pp, v, schedule, seq_len, recompute, ac_every, ends)
     distinct = tuple(dict.fromkeys(loads))
     where = {load: i for i, load in enumerate(distinct)}
     return split, distinct, tuple(where[load] for load in loads)
@@ -164,10 +186,10 @@ def flights(schedule: str, pp: int, v: int, m: int) -> tuple[float, ...]:
 
 @lru_cache(maxsize=4096)
 def rank_loads(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, recompute: str,
-               ac_every: int) -> tuple[tuple[int, ...], tuple[RankLoad, ...]]:
-    """(the layer split, what each of the pp ranks holds)."""
+               ac_every: int, ends: bool = False) -> tuple[tuple[int, ...], tuple[RankLoad, ...]]:
+    """(the layer split, what each of the pp ranks holds; `ends`: see `layer_split`)."""
     stages = pp * v if pp > 1 else 1
-    split = (layer_split(model, stages, seq_len, recompute, ac_every) if not model.opaque
+    split = (layer_split(model, stages, seq_len, recompute, ac_every, ends) if not model.opaque
              else (0,))
     owner = stage_ranks(pp, v, schedule) if pp > 1 else [0]
     # per rank, RankLoad's fields in order: four counts, then first and last

@@ -152,7 +152,7 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     m = max(lo.micro_batches(batch), 1)
     s = batch.seq_len
     split, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, s, lo.recompute,
-                                         lo.ac_every)
+                                         lo.ac_every, params.pp_ends_as_layers)
     groups, pp_inter = _groups(lo, cluster, params)
     ctx = _Ctx(lo, model, cluster, batch, params, m, chip_for(cluster, batch, params), groups,
                pp_inter)
@@ -372,7 +372,7 @@ def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
     model = as_dims(model)
     lo = layout
     _, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, batch.seq_len, lo.recompute,
-                                     lo.ac_every)
+                                     lo.ac_every, params.pp_ends_as_layers)
     return _peak_memory(lo, model, batch, distinct, index, max(lo.micro_batches(batch), 1), params,
                         device)
 

@@ -105,6 +105,11 @@ class CostParams:
     # activation over its own NIC and the receiving ranks all-gather it over NVLink. False:
     # every tensor-parallel rank sends the whole (replicated) activation, as shardwise does.
     pp_scatter_gather: bool = False
+    # The pipeline split counts the embedding and the output head (with the loss) as one block
+    # each, split by count (Megatron's --account-for-embedding-in-pipeline-split and
+    # --account-for-loss-in-pipeline-split; Llama 3 §3.3.2). False: blocks are split by FLOPs
+    # with the head on the last stage, as shardwise splits them (`planner/bubble.py`).
+    pp_ends_as_layers: bool = False
     # Memory: the caching allocator's reserved-but-unused share of what is allocated.
     fragmentation: float = 0.10
     # CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicator buffers per rank.

@@ -194,7 +194,9 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if bad:
         raise SpecError(f"{where}: unknown layout keys {bad}; valid: {', '.join(LAYOUT_KEYS)}.")
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
-    candidates = tuple(candidate_layouts(spec, model, batch))
+    stack = {**source.stack, **row.get("stack", {})}
+    candidates = tuple(candidate_layouts(spec, model, batch,
+                                         bool(stack.get("pp_ends_as_layers", False))))
     if not candidates:
         raise SpecError(f"{where}: no layout matches its fields (check tp·pp·cp·dp = gpus and "
                         "the batch).")
@@ -206,7 +208,6 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if kind not in MEASURED_KINDS:
         raise SpecError(f"{where}: measured.kind {kind!r} is not one of {', '.join(MEASURED_KINDS)}.")
     tps = tokens_per_s(kind, float(measured["value"]), model, batch.seq_len, gpus)
-    stack = {**source.stack, **row.get("stack", {})}
     return Reference(id=rid, source=source, model=model, batch=batch, cluster=cluster,
                      candidates=candidates, unknown=unknown, stack=stack,
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
@@ -227,9 +228,12 @@ def _cluster(source: Source, gpus: int, where: str) -> ClusterSpec:
 
 # --- the layouts a row stands for ------------------------------------------------------------------
 
-def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch) -> Iterator[Layout]:
+def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch,
+                      ends: bool = False) -> Iterator[Layout]:
     """Every Layout the row's fields allow: one when all are stated; otherwise each unknown field
-    over the values it can take (see the module docstring of benchmarks/published_runs.toml)."""
+    over the values it can take (see the module docstring of benchmarks/published_runs.toml). An
+    unknown v divides the blocks per rank (with `ends`, the stack's `pp_ends_as_layers`, the
+    blocks and the embedding and head, as Megatron requires)."""
     dp, pp = int(spec["dp"]), int(spec["pp"])
     per_dp = batch.global_batch // dp
     choices: dict[str, Sequence[Any]] = {}
@@ -245,7 +249,7 @@ def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch) -
         elif key == "schedule":
             choices[key] = ("none",) if pp == 1 else ("1f1b", "interleaved-1f1b")
         else:
-            per_rank = model.layers // pp if pp > 1 else 1
+            per_rank = (model.layers + (2 if ends else 0)) // pp if pp > 1 else 1
             choices[key] = [v for v in range(1, per_rank + 1) if per_rank % v == 0]
     known = {f.name for f in dataclasses.fields(Layout)}
     zero = int(spec["zero"])
