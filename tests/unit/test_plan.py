@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from shardwise.cli.main import main
 from shardwise.errors import SpecError
 from shardwise.planner import comm
-from shardwise.planner.bubble import bubble_slots, in_flight, layer_split, rank_loads
+from shardwise.planner.bubble import RankLoad, bubble_slots, in_flight, layer_split, rank_loads
 from shardwise.planner.cluster import PRESETS as CLUSTERS
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, predict, predict_memory
 from shardwise.planner.hf_config import dims_from_hf_config
 from shardwise.planner.layout import Batch, Layout, layout_problem
-from shardwise.planner.memory import layer_activation, rank_params
+from shardwise.planner.memory import layer_activation, rank_memory, rank_params
 from shardwise.planner.models import ModelDims, preset
 from shardwise.planner.search import SearchSpace, any_fits, search, smallest_cluster
 from shardwise.spec import load_spec
@@ -210,6 +210,59 @@ def test_layer_split_balances_the_output_layer() -> None:
     assert split[-1] < max(split)  # the last stage also runs the output projection
     _, loads = rank_loads(model, 16, 1, "1f1b", 8192, "none", 2)
     assert loads[0].first and loads[-1].last and sum(ld.blocks for ld in loads) == 126
+
+
+def test_the_embedding_and_head_can_count_as_blocks_of_the_split() -> None:
+    """Megatron's --account-for-embedding/loss-in-pipeline-split, as Llama 3 runs it (§3.3.2):
+    126 blocks + embedding + head over 16 ranks x 8 chunks, one unit each, so every rank runs 8
+    units (the FLOP-balanced split of 112 chunks leaves some ranks 9 blocks and others 7)."""
+    model = preset("llama3-405b")
+    split = layer_split(model, 128, 8192, ends=True)
+    assert split[0] == 0 and split[-1] == 0 and set(split[1:-1]) == {1} and sum(split) == 126
+    _, loads = rank_loads(model, 16, 8, "interleaved-1f1b", 8192, "none", 2, ends=True)
+    assert [ld.blocks for ld in loads] == [7] + [8] * 14 + [7]
+    assert loads[0].first and not loads[0].last and loads[-1].last and not loads[-1].first
+    _, by_flops = rank_loads(model, 16, 7, "interleaved-1f1b", 8192, "none", 2)
+    assert max(ld.blocks for ld in by_flops) == 9
+    # uneven counts: the earlier stages take the remainder; too many stages is refused
+    assert layer_split(preset("llama3-8b"), 5, 4096, ends=True) == (6, 7, 7, 7, 5)
+    with pytest.raises(ValueError, match="the embedding and the head"):
+        layer_split(preset("llama3-8b"), 35, 4096, ends=True)
+
+
+def test_a_stage_of_only_the_head_moves_its_time_off_the_blocks() -> None:
+    """With `pp_ends_as_layers` the slowest rank runs 8 blocks, not 9: the same layout predicts
+    a shorter step, and the prediction's layer split shows the embedding-only and head-only
+    chunks as stages of no block."""
+    model, cluster = preset("llama3-405b"), resolve_cluster("dgx-h100", nodes=1024)
+    lo = Layout(dp_shard=64, zero=2, tp=8, pp=16, v=8, schedule="interleaved-1f1b",
+                sequence_parallel=True, micro_batch=1, order="tp-cp-pp-dp")
+    ends = predict(lo, model, cluster, LLAMA_BATCH, CostParams(pp_ends_as_layers=True))
+    by_flops = predict(dataclasses.replace(lo, v=7), model, cluster, LLAMA_BATCH)
+    assert ends.layer_split[0] == 0 and ends.layer_split[-1] == 0
+    assert max(ends.stage_time_s) < max(by_flops.stage_time_s)
+    assert ends.mfu > by_flops.mfu
+
+
+def test_the_head_holds_one_micro_batch_unless_gpipe() -> None:
+    """An interleaved last rank holds many micro-batches of its earlier chunks but one of its
+    last (its backward follows its forward): each micro-batch more in flight adds the blocks'
+    activations and no logits; under GPipe every micro-batch keeps its logits too."""
+    model = preset("llama3-8b")
+    batch = Batch(global_batch=16, seq_len=1024, precision="bf16")
+    last = RankLoad(dense=8, moe=0, ck_dense=0, ck_moe=0, first=False, last=True)
+    middle = dataclasses.replace(last, last=False)
+
+    def growth(lo: Layout, load: RankLoad) -> float:
+        def acts(n: float) -> float:
+            return rank_memory(lo, model, batch, load, n, CostParams()).activations
+        return acts(4.0) - acts(3.0)
+
+    inter = Layout(pp=2, v=2, schedule="interleaved-1f1b")
+    assert growth(inter, last) == pytest.approx(growth(inter, middle))
+    gpipe = Layout(pp=2, schedule="gpipe")
+    logits = 1024 * model.vocab * 4  # one more micro-batch's fp32 log-softmax
+    assert growth(gpipe, last) > growth(gpipe, middle) + logits
 
 
 def test_collectives_follow_the_ring_formulas() -> None:

@@ -93,7 +93,10 @@ them the model under-predicted the GPT's saved activations by 20-30 %.
 A recomputed block keeps only its input (r·x; ÷t under sequence parallel) and, once, the block
 being recomputed. Context parallel divides s by cp. The last stage also keeps the final norm's
 input and output and the logits (`CostParams.logits_bytes` per element for the micro-batch at the
-loss, the fp32 log-softmax for others in flight).
+loss, the fp32 log-softmax for others in flight): for one micro-batch, except under GPipe (all m),
+because 1F1B, interleaved 1F1B and ZBV run the last virtual stage's backward straight after its
+forward (an interleaved last rank holds many micro-batches of its earlier chunks, one of its
+last).
 """
 
 from __future__ import annotations
@@ -303,10 +306,14 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         working = max(a_dense if load.ck_dense else 0.0, a_moe if load.ck_moe else 0.0)
         acts = inflight * per_mb + working
         if load.last:
+            # the head's tensors live from its forward to its backward: under 1F1B, interleaved
+            # and ZBV the last virtual stage runs each micro-batch's backward straight after its
+            # forward, so one micro-batch holds them however many the rank's earlier chunks hold
+            head_held = inflight if lo.schedule == "gpipe" else min(inflight, 1.0)
             x = tokens * model.hidden / (lo.tp if sp else 1)
             logits = tokens * model.vocab / lo.tp
-            acts += inflight * (max(q, res) + q + (4 if params.eager_activations else 0)) * x
-            acts += params.logits_bytes * logits + 4 * logits * max(inflight - 1, 0)
+            acts += head_held * (max(q, res) + q + (4 if params.eager_activations else 0)) * x
+            acts += params.logits_bytes * logits + 4 * logits * max(head_held - 1, 0)
         if lo.tp > 1:  # the gathered block input of sequence / tensor parallel
             buffers += q * tokens * model.hidden
         if lo.ep > 1:  # all-to-all send and receive buffers of the dispatched tokens
