@@ -6,38 +6,38 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 17:30 UTC from published_runs.toml (sha256 11066c698f771845...)"
+GENERATED = "2026-12-05 19:14 UTC from published_runs.toml (sha256 c4f82d8dc52fb3ec...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.706,
-    "gemm_efficiency_hopper": 0.5778,
+    "gemm_efficiency_ampere": 0.7071,
+    "gemm_efficiency_hopper": 0.5446,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.641,
-    "gemm_k_half_ampere": 173.6456,
-    "gemm_k_half_hopper": 188.3647,
+    "attention_efficiency_hopper": 0.5354,
+    "gemm_k_half_ampere": 191.3347,
+    "gemm_k_half_hopper": 180.2239,
     "overlap": 1.0,
-    "fsdp_overlap": 0.471,
-    "step_host_s": 0.1184,
+    "fsdp_overlap": 0.5421,
+    "step_host_s": 0.0859,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        0.953, 0.9595, 0.983, 0.9614, 1.0141, 0.9499, 0.9989, 0.9942, 1.0067, 1.0546,
-        1.074, 1.0401, 0.997, 0.9806, 1.0046, 1.0261, 0.9528, 0.9518,
+        0.9455, 0.9523, 0.9756, 0.9596, 1.0137, 0.9496, 0.9996, 0.9955, 1.0083, 1.0566,
+        1.0777, 1.0428, 0.9988, 0.9816, 1.0077, 1.0279, 0.9537, 0.9514,
     ),
     "hopper": (
-        1.127, 1.065, 1.095, 1.0424, 0.955, 0.8955, 0.8926, 0.9839, 0.9458, 1.1165,
-        1.1145, 1.1782, 0.9395, 0.8591, 0.9621, 0.9462, 0.8861, 0.8896, 0.8847, 0.8632,
-        0.8815, 0.8853, 0.8877, 0.9022, 0.9204, 0.9088, 0.9165,
+        1.1175, 1.1152, 1.1749, 1.1574, 0.9966, 0.9579, 0.9646, 1.068, 1.0342, 0.9835,
+        0.9763, 0.9923, 1.0166, 0.9244, 1.0414, 1.023, 0.8952, 0.8989, 0.8943, 0.9035,
+        0.9228, 0.9384, 0.9096, 0.9245, 0.9432, 0.9177, 0.9256,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.543,
-    "in_sample_max": 4.129,
-    "held_out_mae": 2.78,
-    "held_out_max": 6.09,
+    "in_sample_mae": 1.341,
+    "in_sample_max": 3.771,
+    "held_out_mae": 2.202,
+    "held_out_max": 7.008,
 }
