@@ -336,6 +336,59 @@ def test_cli_validate_prints_every_row_and_the_score(capsys) -> None:
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("row, stated, words", [
+    # Llama 3's split counts the embedding and the head: 128 units, v at most 8 on 16 ranks
+    ("llama3-405b-8k-16384gpu", "v = 16", ["llama3-405b-8k-16384gpu", "256 pipeline stages",
+                                           "the embedding and the head", "at most 8"]),
+    # a plain split: MegaScale's 96 blocks on pp 8 take v at most 12
+    ("megascale-megatron-256gpu", "v = 13", ["megascale-megatron-256gpu", "104 pipeline stages",
+                                             "96 blocks", "at most 12"])])
+def test_cli_validate_refuses_a_stated_v_with_empty_stages(tmp_path, capsys, row, stated,
+                                                           words) -> None:
+    """More pipeline stages than the split has units is named, with the largest v, before any
+    prediction (it was a traceback from deep in the split)."""
+    reference = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
+    text = reference.read_text(encoding="utf-8")
+    start = text.index(f'id = "{row}"')
+    line = text.index("layout = {", start)
+    end = text.index("\n", line)
+    layout = text[line:end]
+    bad = layout.replace('v = "unknown"', stated).replace("v = 6", stated)
+    assert bad != layout
+    path = tmp_path / "runs.toml"
+    path.write_text(text[:line] + bad + text[end:], encoding="utf-8")
+    assert main(["plan", "--validate", str(path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    for word in words:
+        assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("stack, words", [
+    ("pp_ends_as_layer = true", ["unknown key stack.pp_ends_as_layer", "pp_ends_as_layers"]),
+    ('pp_ends_as_layers = "yes"', ["stack.pp_ends_as_layers", "true or false"]),
+    ("grad_bytes = 3", ["grad_bytes = 3", "2 (fp16/bf16) or 4 (fp32)"]),
+    ('overlapped = ["tp", "pipeline"]', ["overlapped", "not pipeline"]),
+    ("gemm_efficiency_hopper = 0.7", ["stack.gemm_efficiency_hopper is an efficiency",
+                                      "Remove it"])])
+def test_cli_validate_names_a_bad_stack_field(tmp_path, capsys, stack, words) -> None:
+    """A source's mechanics are checked as a --params file is: a typo was silently ignored and
+    a string "yes" read as true."""
+    reference = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
+    text = reference.read_text(encoding="utf-8")
+    old = "overlapped = [\"pp\", \"dp\", \"dp_under_pp\"], pp_ends_as_layers = true }"
+    assert old in text
+    path = tmp_path / "runs.toml"
+    key = stack.split(" =")[0]
+    kept = "" if key.startswith(("pp_ends", "overlapped")) else ", pp_ends_as_layers = true"
+    keep_overlap = "" if key == "overlapped" else "overlapped = [\"pp\"], "
+    path.write_text(text.replace(old, f"{keep_overlap}{stack}{kept} }}"), encoding="utf-8")
+    assert main(["plan", "--validate", str(path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "llama3-405b" in err
+    for word in words:
+        assert word in err, (word, err)
+
+
 def test_cli_json_carries_the_interval(capsys) -> None:
     import json
 

@@ -14,10 +14,11 @@ from shardwise.planner.cost import OVERHEAD_FIELDS, OVERLAPPABLE, CostParams
 PARAMS_TABLE = "cost_params"
 
 
-def validate_params(params: CostParams, origin: str = "the cost parameters") -> CostParams:
-    """Refuse values the cost model cannot use, naming the field."""
+def validate_params(params: CostParams, origin: str = "the cost parameters",
+                    table: str = PARAMS_TABLE) -> CostParams:
+    """Refuse values the cost model cannot use, naming the field (as `table`.field)."""
     def bad(name: str, want: str) -> SpecError:
-        return SpecError(f"{PARAMS_TABLE}.{name} = {getattr(params, name)!r} in {origin}: it must "
+        return SpecError(f"{table}.{name} = {getattr(params, name)!r} in {origin}: it must "
                          f"be {want}.")
 
     if not 0 < params.efficiency <= 1:

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError
-from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams
+from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.models import ModelDims
+from shardwise.planner.params_file import validate_params
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
+from shardwise.spec.toml import build_table
 
 UNKNOWN = "unknown"
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "zero", "schedule", "v", "micro_batch", "recompute",
@@ -82,10 +84,8 @@ class Reference:
         """`base` with this row's framework mechanics applied. The framework-overhead
         coefficients are shardwise's own (measured on its CPU runs: FSDP2's hooks, DTensor's
         dispatch), so another framework's rows are predicted without them."""
-        known = {f.name for f in dataclasses.fields(CostParams)}
         values: dict[str, Any] = {k: 0.0 for k in OVERHEAD_FIELDS}
-        values.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in self.stack.items()
-                       if k in known})
+        values.update(self.stack)  # checked and typed when loaded (`_stack`)
         return dataclasses.replace(base, **values)
 
 
@@ -194,9 +194,16 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if bad:
         raise SpecError(f"{where}: unknown layout keys {bad}; valid: {', '.join(LAYOUT_KEYS)}.")
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
-    stack = {**source.stack, **row.get("stack", {})}
-    candidates = tuple(candidate_layouts(spec, model, batch,
-                                         bool(stack.get("pp_ends_as_layers", False))))
+    stack = _stack({**source.stack, **row.get("stack", {})}, where)
+    ends = bool(stack.get("pp_ends_as_layers", False))
+    units = model.layers + (2 if ends else 0)
+    pp, v = int(spec.get("pp", 1)), spec.get("v", 1)
+    if pp > 1 and v != UNKNOWN and pp * int(v) > units:
+        what = f"{model.layers} blocks" + (" + the embedding and the head" if ends else "")
+        raise SpecError(f"{where}: pp·v = {pp} x {v} = {pp * int(v)} pipeline stages for {what}: "
+                        f"a stage needs at least one; state a v of at most {units // pp}, or "
+                        "\"unknown\".")
+    candidates = tuple(candidate_layouts(spec, model, batch, ends))
     if not candidates:
         raise SpecError(f"{where}: no layout matches its fields (check tp·pp·cp·dp = gpus and "
                         "the batch).")
@@ -213,6 +220,25 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
                      measured_kind=kind, notes=row.get("notes", ""),
                      order=spec.get("order", "tp-cp-dp-pp"))
+
+
+def _stack(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A row's framework mechanics (its source's `stack`, then its own), checked as a
+    `--params` file is: an unknown key or a value of the wrong type is named, not ignored."""
+    if not isinstance(values, Mapping):
+        raise SpecError(f"{where}: stack must be a table of CostParams fields, like "
+                        "{ residual_bytes = 2, overlapped = [\"dp\"] }.")
+    fitted = [k for k in values if k in FITTED_FIELDS or k == "efficiency"]
+    if fitted:
+        raise SpecError(f"{where}: stack.{fitted[0]} is an efficiency, which the cost model fits "
+                        "on every source at once (`bench_plan.py --published`); a source's stack "
+                        "states only how its framework trains (mechanics). Remove it.")
+    try:
+        built = build_table("stack", CostParams, values, where)
+    except SpecError as err:  # a value's type error does not say where it is
+        raise err if where in str(err) else SpecError(f"{where}: {err}") from None
+    checked = validate_params(built, where, table="stack")
+    return {k: getattr(checked, k) for k in values}
 
 
 def _cluster(source: Source, gpus: int, where: str) -> ClusterSpec:
