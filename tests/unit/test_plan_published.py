@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.errors import SpecError
 from shardwise.planner import accuracy, published, validate
 from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
 from shardwise.planner.dpcomm import fsdp_per_micro_batch
@@ -105,6 +106,50 @@ def test_an_unknown_v_divides_what_the_stacks_split_puts_on_a_rank(refs) -> None
             "v": published.UNKNOWN, "micro_batch": 1, "recompute": "none"}
     plain = published.candidate_layouts(spec, llama.model, llama.batch)
     assert {lo.v for lo in plain} == {7}
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("[models.llama3-405b]\nlayers = 126", '[models.llama3-405b]\nlayers = "many"',
+     ["[models.llama3-405b]", "layers = 'many'", "whole number"]),
+    ("hidden = 16384\nheads = 128", "hidden = 16384\nheads = 100",
+     ["heads = 100 does not divide hidden = 16384", "head_dim"]),
+    ("kv_heads = 8", "kv_heads = 7", ["kv_heads = 7 does not divide heads = 128"]),
+    ("gated = true", 'gated = "yes"', ["gated = 'yes' must be true or false"]),
+    ('cluster = { cluster = { base = "a100-80g" } }', 'cluster = "a100"',
+     ["source 'narayanan-sc21'", "cluster must be a table"]),
+    ("stack = { overlapped = [] }  #", 'stack = "none"  #', ["stack must be a table"]),
+    ("[[runs]]", "[[runz]]", ["unknown table [runz]"]),
+    ('id = "sc21-145b"', 'id = "sc21-145b"\ngpus = "many"', None),  # a duplicate key: TOML
+    ('kind = "tflops_palm", value = 400.0', 'kind = "tflops_palm", value = "fast"',
+     ["llama3-405b-8k-16384gpu", "measured.value = 'fast'", "above 0"]),
+    ('kind = "tflops_palm", value = 400.0', 'kind = "mfu", value = 400.0',
+     ["measured.kind 'mfu' is not one of", "tflops_palm"]),
+    ("seq_len = 131072", "seq_len = 0", ["seq_len = 0 must be a whole number"]),
+    ("tp = 8, pp = 16, cp = 16", 'tp = "eight", pp = 16, cp = 16', ["layout.tp = 'eight'"]),
+    ('zero = 2, schedule = "interleaved-1f1b", v = "unknown", micro_batch = "unknown", '
+     'recompute = "unknown"', 'zero = 5, schedule = "interleaved-1f1b", v = "unknown", '
+     'micro_batch = "unknown", recompute = "unknown"', ["layout.zero = 5"]),
+    ('recompute = "unknown", sequence_parallel = true, order = "tp-cp-pp-dp" }\nmeasured = '
+     '{ kind = "tflops_palm", value = 380.0 }', 'recompute = "partial", sequence_parallel = '
+     'true, order = "tp-cp-pp-dp" }\nmeasured = { kind = "tflops_palm", value = 380.0 }',
+     ["layout.recompute = 'partial'", "selective"]),
+    ('schedule = "interleaved-1f1b", v = 6', 'schedule = "1f1b-interleaved", v = 6',
+     ["layout.schedule = '1f1b-interleaved'", "zero-bubble"]),
+    ("global_batch = 768\ngpus = 256", "global_batch = 7\ngpus = 256",
+     ["megascale-megatron-256gpu", "no layout matches", "dp divides the global batch"])])
+def test_a_malformed_reference_set_is_named_field_by_field(tmp_path, old, new, words) -> None:
+    """Every field of a reference set is checked when loaded: a wrong type, a value out of
+    range or an unknown table is one SpecError naming the run (or model, or source) and the
+    field, never a traceback from the cost model nor a silently ignored row."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    assert old in text, old
+    path = tmp_path / "runs.toml"
+    path.write_text(text.replace(old, new, 1), encoding="utf-8")
+    with pytest.raises(SpecError) as err:
+        published.load(path)
+    message = " ".join(str(err.value).split())
+    for word in words or ["not valid TOML"]:
+        assert word in message, (word, message)
 
 
 def test_params_apply_a_sources_mechanics_without_shardwise_overheads(refs) -> None:

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError
+from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
-from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims
 from shardwise.planner.params_file import validate_params
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
 from shardwise.spec.toml import build_table
+from shardwise.spec.training import PRECISIONS
 
 UNKNOWN = "unknown"
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "zero", "schedule", "v", "micro_batch", "recompute",
@@ -138,8 +140,21 @@ def load(path: str | Path) -> list[Reference]:
     path = Path(path)
     data = read_toml(path)
     origin = str(path)
+    top = {"conventions": dict, "models": dict, "sources": list, "runs": list}
+    for key, value in data.items():
+        if key not in top:
+            raise SpecError(f"{origin}: unknown table [{key}]; a reference set holds "
+                            "[conventions] (text), [models.NAME] tables, [[sources]] and [[runs]].")
+        if not isinstance(value, top[key]):
+            shape = f"an array of tables, [[{key}]]" if top[key] is list else f"a table, [{key}]"
+            raise SpecError(f"{origin}: {key} must be {shape}.")
+    if not data.get("runs"):
+        raise SpecError(f"{origin}: no [[runs]]; a reference set lists at least one published run.")
     models = {name: _model(name, table, origin) for name, table in data.get("models", {}).items()}
-    sources = {s["id"]: _source(s, origin) for s in data.get("sources", [])}
+    listed = [_source(s, origin) for s in data.get("sources", [])]
+    sources = {s.id: s for s in listed}
+    if len(sources) < len(listed):
+        raise SpecError(f"{origin}: two [[sources]] share an id; give each source its own.")
     rows = [_reference(row, models, sources, origin) for row in data.get("runs", [])]
     ids = [r.id for r in rows]
     dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -153,18 +168,41 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
     if unknown:
         raise SpecError(f"{origin}: [models.{name}] has unknown keys {unknown}; valid keys: "
                         f"{', '.join(MODEL_KEYS)}.")
-    try:
-        return ModelDims(name=name, layers=int(table["layers"]), hidden=int(table["hidden"]),
-                         heads=int(table["heads"]), kv_heads=int(table.get("kv_heads", 0)),
-                         ffn=int(table["ffn"]), vocab=int(table["vocab"]),
-                         gated=bool(table.get("gated", True)), tied=bool(table.get("tied", False)),
-                         head_dim=int(table.get("head_dim", 0)), source=origin)
-    except KeyError as err:
-        raise SpecError(f"{origin}: [models.{name}] does not set {err.args[0]}; a model states "
-                        "layers, hidden, heads, ffn and vocab.") from None
+    where = f"{origin}: [models.{name}]"
+    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in table]
+    if missing:
+        raise SpecError(f"{where} does not set {', '.join(missing)}; a model states layers, "
+                        "hidden, heads, ffn and vocab.")
+    sizes = {k: _whole(table[k], k, where) for k in ("layers", "hidden", "heads", "ffn", "vocab")}
+    kv, hd = table.get("kv_heads", 0), table.get("head_dim", 0)
+    for key, value in (("kv_heads", kv), ("head_dim", hd)):
+        if value:
+            _whole(value, key, where)
+        elif value != 0:
+            raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: the default).")
+    if kv and sizes["heads"] % kv:
+        raise SpecError(f"{where}: kv_heads = {kv} does not divide heads = {sizes['heads']}.")
+    if not hd and sizes["hidden"] % sizes["heads"]:
+        raise SpecError(f"{where}: heads = {sizes['heads']} does not divide hidden = "
+                        f"{sizes['hidden']}; state head_dim if the heads are not hidden / heads wide.")
+    flags = {k: table.get(k, default) for k, default in (("gated", True), ("tied", False))}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(f"{where}: {key} = {value!r} must be true or false.")
+    return ModelDims(name=name, layers=sizes["layers"], hidden=sizes["hidden"],
+                     heads=sizes["heads"], kv_heads=kv, ffn=sizes["ffn"], vocab=sizes["vocab"],
+                     gated=flags["gated"], tied=flags["tied"], head_dim=hd, source=origin)
 
 
 def _source(table: Mapping[str, Any], origin: str) -> Source:
+    if not isinstance(table, Mapping):
+        raise SpecError(f"{origin}: each [[sources]] entry is a table (id, title, where, url, "
+                        "cluster, stack).")
+    for key in ("cluster", "stack"):
+        if not isinstance(table.get(key, {}), Mapping):
+            raise SpecError(f"{origin}: source {table.get('id', '?')!r}: {key} must be a table, "
+                            "like " + ('{ cluster = { base = "dgx-h100" } }' if key == "cluster"
+                                       else '{ residual_bytes = 2, overlapped = ["dp"] }') + ".")
     try:
         return Source(id=table["id"], title=table["title"], where=table["where"],
                       url=table["url"], hardware=table.get("hardware", ""),
@@ -185,16 +223,24 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     except KeyError as err:
         raise SpecError(f"{where} names {err.args[0]!r}, which no [[sources]] or [models] entry "
                         "defines.") from None
-    gpus = int(row["gpus"])
+    gpus, global_batch, seq_len = (_whole(row.get(k), k, where)
+                                   for k in ("gpus", "global_batch", "seq_len"))
+    precision = row.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        raise SpecError(f"{where}: precision = {precision!r} must be one of "
+                        f"{', '.join(PRECISIONS)}.")
+    spec = _layout_spec(row.get("layout"), where)
+    if spec["tp"] * spec["pp"] * spec["cp"] * spec["dp"] != gpus:
+        raise SpecError(f"{where}: tp·pp·cp·dp = "
+                        f"{spec['tp'] * spec['pp'] * spec['cp'] * spec['dp']} != gpus {gpus}.")
     cluster = _cluster(source, gpus, where)
-    batch = Batch(global_batch=int(row["global_batch"]), seq_len=int(row["seq_len"]),
-                  precision=row.get("precision", "bf16"))
-    spec = dict(row["layout"])
-    bad = [k for k in spec if k not in LAYOUT_KEYS]
-    if bad:
-        raise SpecError(f"{where}: unknown layout keys {bad}; valid: {', '.join(LAYOUT_KEYS)}.")
+    batch = Batch(global_batch=global_batch, seq_len=seq_len, precision=precision)
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
-    stack = _stack({**source.stack, **row.get("stack", {})}, where)
+    own = row.get("stack", {})
+    if not isinstance(own, Mapping):
+        raise SpecError(f"{where}: stack must be a table of CostParams fields, like "
+                        "{ residual_bytes = 2, overlapped = [\"dp\"] }.")
+    stack = _stack({**source.stack, **own}, where)
     ends = bool(stack.get("pp_ends_as_layers", False))
     units = model.layers + (2 if ends else 0)
     pp, v = int(spec.get("pp", 1)), spec.get("v", 1)
@@ -205,16 +251,22 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
                         "\"unknown\".")
     candidates = tuple(candidate_layouts(spec, model, batch, ends))
     if not candidates:
-        raise SpecError(f"{where}: no layout matches its fields (check tp·pp·cp·dp = gpus and "
-                        "the batch).")
-    if spec["tp"] * spec["pp"] * spec["cp"] * spec["dp"] != gpus:
-        raise SpecError(f"{where}: tp·pp·cp·dp = "
-                        f"{spec['tp'] * spec['pp'] * spec['cp'] * spec['dp']} != gpus {gpus}.")
-    measured = row["measured"]
-    kind = measured["kind"]
+        raise SpecError(f"{where}: no layout matches its fields. Check that dp divides the global "
+                        "batch and micro_batch each replica's share, that a pipeline gets at least "
+                        "pp micro-batches (a multiple of pp when interleaved), and that schedule "
+                        "and v agree (1f1b: v = 1; interleaved-1f1b: v >= 2).")
+    measured = row.get("measured")
+    if not isinstance(measured, Mapping):
+        measured = {}
+    kind = measured.get("kind")
     if kind not in MEASURED_KINDS:
-        raise SpecError(f"{where}: measured.kind {kind!r} is not one of {', '.join(MEASURED_KINDS)}.")
-    tps = tokens_per_s(kind, float(measured["value"]), model, batch.seq_len, gpus)
+        raise SpecError(f"{where}: measured.kind {kind!r} is not one of {', '.join(MEASURED_KINDS)} "
+                        "(measured = { kind = ..., value = ... }).")
+    value = measured.get("value")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise SpecError(f"{where}: measured.value = {value!r} must be a number above 0 (the "
+                        f"figure the source prints, as {kind}).")
+    tps = tokens_per_s(kind, float(value), model, batch.seq_len, gpus)
     return Reference(id=rid, source=source, model=model, batch=batch, cluster=cluster,
                      candidates=candidates, unknown=unknown, stack=stack,
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
@@ -222,12 +274,49 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
                      order=spec.get("order", "tp-cp-dp-pp"))
 
 
+def _whole(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: {name} = {value!r} must be a whole number of at least 1.")
+    return value
+
+
+def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
+    """A row's layout table, each field checked: tp, pp, cp, dp and zero stated; v, micro_batch,
+    schedule and recompute stated or "unknown"."""
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{where}: layout must be a table like {{ tp = 8, pp = 1, cp = 1, dp = 4, "
+                        "zero = 1 }.")
+    bad = [k for k in raw if k not in LAYOUT_KEYS]
+    if bad:
+        raise SpecError(f"{where}: unknown layout keys {bad}; valid: {', '.join(LAYOUT_KEYS)}.")
+    missing = [k for k in ("tp", "pp", "cp", "dp", "zero") if k not in raw]
+    if missing:
+        raise SpecError(f"{where}: layout does not state {', '.join(missing)} (a row states tp, "
+                        "pp, cp, dp and zero; v, micro_batch, schedule and recompute may be "
+                        "\"unknown\").")
+    spec = dict(raw)
+    for key in ("tp", "pp", "cp", "dp"):
+        _whole(spec[key], f"layout.{key}", where)
+    if spec["zero"] not in (0, 1, 2, 3) or isinstance(spec["zero"], bool):
+        raise SpecError(f"{where}: layout.zero = {spec['zero']!r} must be 0 (DDP), 1, 2 or 3.")
+    for key in ("v", "micro_batch"):
+        if spec.get(key, UNKNOWN) != UNKNOWN:
+            _whole(spec[key], f"layout.{key}", where)
+    for key, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE)):
+        if spec.get(key, UNKNOWN) not in (UNKNOWN, *choices):
+            raise SpecError(f"{where}: layout.{key} = {spec[key]!r} must be one of "
+                            f"{', '.join(choices)}, or \"unknown\".")
+    if spec.get("order", "tp-cp-dp-pp") not in ORDERS:
+        raise SpecError(f"{where}: layout.order = {spec['order']!r} must be one of "
+                        f"{', '.join(ORDERS)}.")
+    if not isinstance(spec.get("sequence_parallel", False), bool):
+        raise SpecError(f"{where}: layout.sequence_parallel must be true or false.")
+    return spec
+
+
 def _stack(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A row's framework mechanics (its source's `stack`, then its own), checked as a
     `--params` file is: an unknown key or a value of the wrong type is named, not ignored."""
-    if not isinstance(values, Mapping):
-        raise SpecError(f"{where}: stack must be a table of CostParams fields, like "
-                        "{ residual_bytes = 2, overlapped = [\"dp\"] }.")
     fitted = [k for k in values if k in FITTED_FIELDS or k == "efficiency"]
     if fitted:
         raise SpecError(f"{where}: stack.{fitted[0]} is an efficiency, which the cost model fits "
