@@ -23,6 +23,7 @@ from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims
 from shardwise.planner.params_file import validate_params
+from shardwise.spec.checks import choice
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
 from shardwise.spec.toml import build_table
 from shardwise.spec.training import PRECISIONS
@@ -199,10 +200,7 @@ def _source(table: Mapping[str, Any], origin: str) -> Source:
         raise SpecError(f"{origin}: each [[sources]] entry is a table (id, title, where, url, "
                         "cluster, stack).")
     for key in ("cluster", "stack"):
-        if not isinstance(table.get(key, {}), Mapping):
-            raise SpecError(f"{origin}: source {table.get('id', '?')!r}: {key} must be a table, "
-                            "like " + ('{ cluster = { base = "dgx-h100" } }' if key == "cluster"
-                                       else '{ residual_bytes = 2, overlapped = ["dp"] }') + ".")
+        _table(table, key, f"{origin}: source {table.get('id', '?')!r}")
     try:
         return Source(id=table["id"], title=table["title"], where=table["where"],
                       url=table["url"], hardware=table.get("hardware", ""),
@@ -226,9 +224,7 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     gpus, global_batch, seq_len = (_whole(row.get(k), k, where)
                                    for k in ("gpus", "global_batch", "seq_len"))
     precision = row.get("precision", "bf16")
-    if precision not in PRECISIONS:
-        raise SpecError(f"{where}: precision = {precision!r} must be one of "
-                        f"{', '.join(PRECISIONS)}.")
+    choice(f"{where}: precision", precision, PRECISIONS)
     spec = _layout_spec(row.get("layout"), where)
     if spec["tp"] * spec["pp"] * spec["cp"] * spec["dp"] != gpus:
         raise SpecError(f"{where}: tp·pp·cp·dp = "
@@ -236,17 +232,13 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     cluster = _cluster(source, gpus, where)
     batch = Batch(global_batch=global_batch, seq_len=seq_len, precision=precision)
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
-    own = row.get("stack", {})
-    if not isinstance(own, Mapping):
-        raise SpecError(f"{where}: stack must be a table of CostParams fields, like "
-                        "{ residual_bytes = 2, overlapped = [\"dp\"] }.")
-    stack = _stack({**source.stack, **own}, where)
+    stack = _stack({**source.stack, **_table(row, "stack", where)}, where)
     ends = bool(stack.get("pp_ends_as_layers", False))
     units = model.layers + (2 if ends else 0)
-    pp, v = int(spec.get("pp", 1)), spec.get("v", 1)
-    if pp > 1 and v != UNKNOWN and pp * int(v) > units:
+    pp, v = spec["pp"], spec.get("v", 1)
+    if pp > 1 and v != UNKNOWN and pp * v > units:
         what = f"{model.layers} blocks" + (" + the embedding and the head" if ends else "")
-        raise SpecError(f"{where}: pp·v = {pp} x {v} = {pp * int(v)} pipeline stages for {what}: "
+        raise SpecError(f"{where}: pp·v = {pp} x {v} = {pp * v} pipeline stages for {what}: "
                         f"a stage needs at least one; state a v of at most {units // pp}, or "
                         "\"unknown\".")
     candidates = tuple(candidate_layouts(spec, model, batch, ends))
@@ -272,6 +264,19 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
                      measured_kind=kind, notes=row.get("notes", ""),
                      order=spec.get("order", "tp-cp-dp-pp"))
+
+
+#: what a table-valued field of a source or row looks like, for its error message
+_TABLE_EXAMPLES = {"cluster": '{ cluster = { base = "dgx-h100" } }',
+                   "stack": '{ residual_bytes = 2, overlapped = ["dp"] }'}
+
+
+def _table(owner: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    """`owner[key]` (empty when absent), refused unless it is a table."""
+    value = owner.get(key, {})
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}: {key} must be a table, like {_TABLE_EXAMPLES[key]}.")
+    return value
 
 
 def _whole(value: Any, name: str, where: str) -> int:
@@ -303,12 +308,8 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
         if spec.get(key, UNKNOWN) != UNKNOWN:
             _whole(spec[key], f"layout.{key}", where)
     for key, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE)):
-        if spec.get(key, UNKNOWN) not in (UNKNOWN, *choices):
-            raise SpecError(f"{where}: layout.{key} = {spec[key]!r} must be one of "
-                            f"{', '.join(choices)}, or \"unknown\".")
-    if spec.get("order", "tp-cp-dp-pp") not in ORDERS:
-        raise SpecError(f"{where}: layout.order = {spec['order']!r} must be one of "
-                        f"{', '.join(ORDERS)}.")
+        choice(f"{where}: layout.{key}", spec.get(key, UNKNOWN), (*choices, UNKNOWN))
+    choice(f"{where}: layout.order", spec.get("order", "tp-cp-dp-pp"), tuple(ORDERS))
     if not isinstance(spec.get("sequence_parallel", False), bool):
         raise SpecError(f"{where}: layout.sequence_parallel must be true or false.")
     return spec
