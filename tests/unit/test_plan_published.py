@@ -58,6 +58,25 @@ def test_each_sources_figure_is_read_with_its_own_flop_formula(refs, run, peak, 
     assert r.published_mfu == pytest.approx(printed / peak, abs=0.006)
 
 
+@pytest.mark.parametrize("kind, value", [
+    ("tokens_per_s_per_gpu", 39300.0 / 256),  # torchtitan's TPS/GPU
+    ("samples_per_s", 39300.0 / 2048),  # sequences of 2,048 tokens a second
+    ("step_s", 768 * 2048 / 39300.0),  # seconds per step of 768 sequences
+])
+def test_a_rate_of_tokens_sequences_or_steps_is_the_same_run(tmp_path, kind, value) -> None:
+    """A source may print tokens/s per GPU, sequences/s or seconds per step: each is converted
+    with the row's own GPUs, sequence length and global batch to the same job tokens/s."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    old = 'measured = { kind = "tokens_per_s", value = 39300.0 }'
+    assert text.count(old) == 1
+    path = tmp_path / "runs.toml"
+    path.write_text(text.replace(old, f'measured = {{ kind = "{kind}", value = {value!r} }}'),
+                    encoding="utf-8")
+    row = next(r for r in published.load(path) if r.id == "megascale-megatron-256gpu")
+    assert row.measured_kind == kind
+    assert row.measured_tokens_per_s == pytest.approx(39300.0)
+
+
 def test_the_flop_formulas_are_the_published_ones(refs) -> None:
     m = next(x for x in refs if x.id == "sc21-1t").model  # l 128, h 25600, V 51200, s 2048
     s, h, layers, v = 2048, 25600, 128, 51200

@@ -116,20 +116,34 @@ def palm_flops_per_token(m: ModelDims, s: int) -> float:
     return m.flop_counts(s).per_token(causal_halved=False)
 
 
+#: a source's figure per unit of work -> FLOPs per token (TFLOP/s per GPU), or None where the
+#: figure is a rate of tokens, sequences or steps (`tokens_per_s` converts those)
 MEASURED_KINDS = {
     "tflops_megatron_sc21": megatron_sc21_flops_per_token,
     "tflops_megatron_core": megatron_core_flops_per_token,
     "tflops_palm": palm_flops_per_token,
     "tokens_per_s": None,
+    "tokens_per_s_per_gpu": None,
+    "samples_per_s": None,
+    "step_s": None,
 }
 
 
-def tokens_per_s(kind: str, value: float, model: ModelDims, seq_len: int, gpus: int) -> float:
-    """The job's tokens/s that a source's throughput figure implies."""
-    formula = MEASURED_KINDS[kind]
-    if formula is None:
+def tokens_per_s(kind: str, value: float, model: ModelDims, batch: Batch, gpus: int) -> float:
+    """The job's tokens/s that a source's throughput figure implies: tokens/s of the whole job or
+    per GPU (torchtitan's TPS/GPU), sequences/s of the whole job, seconds per optimizer step of
+    `batch.global_batch` sequences, or TFLOP/s per GPU under the source's FLOP formula."""
+    if kind == "tokens_per_s":
         return value
-    return value * 1e12 * gpus / formula(model, seq_len)
+    if kind == "tokens_per_s_per_gpu":
+        return value * gpus
+    if kind == "samples_per_s":
+        return value * batch.seq_len
+    if kind == "step_s":
+        return batch.tokens / value
+    formula = MEASURED_KINDS[kind]
+    assert formula is not None
+    return value * 1e12 * gpus / formula(model, batch.seq_len)
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -258,7 +272,7 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise SpecError(f"{where}: measured.value = {value!r} must be a number above 0 (the "
                         f"figure the source prints, as {kind}).")
-    tps = tokens_per_s(kind, float(value), model, batch.seq_len, gpus)
+    tps = tokens_per_s(kind, float(value), model, batch, gpus)
     return Reference(id=rid, source=source, model=model, batch=batch, cluster=cluster,
                      candidates=candidates, unknown=unknown, stack=stack,
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
