@@ -77,6 +77,22 @@ def test_a_rate_of_tokens_sequences_or_steps_is_the_same_run(tmp_path, kind, val
     assert row.measured_tokens_per_s == pytest.approx(39300.0)
 
 
+@pytest.mark.parametrize("run, printed", [
+    ("bloom-176b-production", 149.77),  # README: 104.70 s/iteration, "TFLOPs: 149.77"
+    ("bloom-176b-64h-tp8pp12-mb2", 128.92),  # chronicles-prequel: 121.63 s, 128.92
+    ("bloom-184b-64h-tp8pp6-mb4", 136.20),  # 120.96 s, 136.20
+])
+def test_blooms_seconds_per_step_read_back_as_its_logged_tflops(refs, run, printed) -> None:
+    """BLOOM's rows are entered as the seconds per iteration its logs print; Megatron-DeepSpeed's
+    TFLOP/s of the same line (Narayanan et al.'s Eq. 3 with the recompute factor 4) follows from
+    the row's model shape, GPUs and batch: the shape and the conversion are the logged ones."""
+    r = next(x for x in refs if x.id == run)
+    assert r.measured_kind == "step_s"
+    tflops = (r.measured_tokens_per_s * published.megatron_sc21_flops_per_token(
+        r.model, r.batch.seq_len) / r.gpus / 1e12)
+    assert tflops == pytest.approx(printed, rel=2e-3)
+
+
 def test_the_flop_formulas_are_the_published_ones(refs) -> None:
     m = next(x for x in refs if x.id == "sc21-1t").model  # l 128, h 25600, V 51200, s 2048
     s, h, layers, v = 2048, 25600, 128, 51200

@@ -6,38 +6,40 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 20:05 UTC from published_runs.toml (sha256 134ed120d63814af...)"
+GENERATED = "2026-12-05 22:17 UTC from published_runs.toml (sha256 981ca92b988bd830...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.7071,
-    "gemm_efficiency_hopper": 0.5446,
+    "gemm_efficiency_ampere": 0.6804,
+    "gemm_efficiency_hopper": 0.5435,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.5354,
-    "gemm_k_half_ampere": 191.3347,
-    "gemm_k_half_hopper": 180.2239,
+    "attention_efficiency_hopper": 0.5342,
+    "gemm_k_half_ampere": 125.4477,
+    "gemm_k_half_hopper": 176.689,
     "overlap": 1.0,
-    "fsdp_overlap": 0.5421,
-    "step_host_s": 0.0859,
+    "fsdp_overlap": 0.5519,
+    "step_host_s": 0.0838,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        0.9455, 0.9523, 0.9756, 0.9596, 1.0137, 0.9496, 0.9996, 0.9955, 1.0083, 1.0566,
-        1.0777, 1.0428, 0.9988, 0.9816, 1.0077, 1.0279, 0.9537, 0.9514,
+        0.9404, 0.9533, 0.9847, 0.971, 1.0305, 0.9675, 1.0221, 1.0183, 1.0341, 1.0866,
+        1.1058, 1.0694, 1.0237, 1.0056, 1.0336, 1.0535, 0.977, 0.9737, 0.9539, 0.9578,
+        0.9485, 0.9432, 0.9913, 0.7987, 0.9391, 1.0041, 0.959, 0.8183, 0.9408, 1.021,
+        0.9348, 0.8898, 0.9661, 0.9497, 1.0241,
     ),
     "hopper": (
-        1.1175, 1.1152, 1.1749, 1.1574, 0.9966, 0.9579, 0.9646, 1.068, 1.0342, 0.9835,
-        0.9763, 0.9923, 1.0166, 0.9244, 1.0414, 1.023, 0.8952, 0.8989, 0.8943, 0.9035,
-        0.9228, 0.9384, 0.9096, 0.9245, 0.9432, 0.9177, 0.9256,
+        1.109, 1.1127, 1.1747, 1.1604, 0.9962, 0.9589, 0.9669, 1.0701, 1.0368, 0.9854,
+        0.9781, 0.993, 1.0171, 0.9249, 1.0419, 1.0235, 0.8939, 0.8976, 0.893, 0.903,
+        0.9223, 0.9382, 0.9084, 0.9233, 0.942, 0.916, 0.9239,
     ),
 }
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.341,
-    "in_sample_max": 3.771,
-    "held_out_mae": 2.202,
-    "held_out_max": 7.008,
+    "in_sample_mae": 1.53,
+    "in_sample_max": 6.429,
+    "held_out_mae": 2.312,
+    "held_out_max": 7.079,
 }

@@ -63,13 +63,14 @@ START: dict[str, float] = {
     "gemm_k_half_ampere": 128.0, "gemm_k_half_hopper": 128.0, "overlap": 0.8,
     "fsdp_overlap": 0.8, "step_host_s": 0.05,
 }
-#: A Gaussian prior on each fitted field, centred on START with a standard deviation of half
-#: its bounds' span, makes the fit a maximum a posteriori estimate: minimise the sources' mean
-#: squared error + PRIOR_WEIGHT x sum((x - start) / (span / 2))^2, where PRIOR_WEIGHT is the
-#: residual variance (~2.3 points^2, the in-sample source-mean squared error) over the sources
-#: the loss averages (5). Without it a field that only one source identifies runs to a bound when
-#: that source is held out (FSDP's overlap share without MosaicML, the Hopper attention
-#: efficiency without Llama 3's 128K row), and the held-out source pays for it.
+#: A Gaussian prior on each fitted field, centred on START with a standard deviation of half its
+#: bounds' span, makes the fit a maximum a posteriori estimate: minimise the sources' mean squared
+#: error + PRIOR_WEIGHT x sum((x - start) / (span / 2))^2, where PRIOR_WEIGHT is the residual
+#: variance (3.2 points^2, the in-sample source-mean squared error) over the sources the loss
+#: averages (6): 0.53, taken as 0.5 (it was 2.3 / 5 = 0.47 before BLOOM's rows). Without it a field
+#: that only one source identifies runs to a bound when that source is held out (FSDP's overlap
+#: share without MosaicML, the Hopper attention efficiency without Llama 3's 128K row), and the
+#: held-out source pays for it.
 PRIOR_WEIGHT = 0.5
 #: which fields a generation's rows identify (a field no training row exercises is not fitted)
 GENERATION_FIELDS = {"ampere": ("gemm_efficiency_ampere", "attention_efficiency_ampere",
