@@ -301,7 +301,7 @@ def _whole(value: Any, name: str, where: str) -> int:
 
 def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     """A row's layout table, each field checked: tp, pp, cp, dp and zero stated; v, micro_batch,
-    schedule and recompute stated or "unknown"."""
+    schedule, recompute and sequence_parallel stated or "unknown"."""
     if not isinstance(raw, Mapping):
         raise SpecError(f"{where}: layout must be a table like {{ tp = 8, pp = 1, cp = 1, dp = 4, "
                         "zero = 1 }.")
@@ -311,8 +311,8 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     missing = [k for k in ("tp", "pp", "cp", "dp", "zero") if k not in raw]
     if missing:
         raise SpecError(f"{where}: layout does not state {', '.join(missing)} (a row states tp, "
-                        "pp, cp, dp and zero; v, micro_batch, schedule and recompute may be "
-                        "\"unknown\").")
+                        "pp, cp, dp and zero; v, micro_batch, schedule, recompute and "
+                        "sequence_parallel may be \"unknown\").")
     spec = dict(raw)
     for key in ("tp", "pp", "cp", "dp"):
         _whole(spec[key], f"layout.{key}", where)
@@ -324,8 +324,9 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     for key, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE)):
         choice(f"{where}: layout.{key}", spec.get(key, UNKNOWN), (*choices, UNKNOWN))
     choice(f"{where}: layout.order", spec.get("order", "tp-cp-dp-pp"), tuple(ORDERS))
-    if not isinstance(spec.get("sequence_parallel", False), bool):
-        raise SpecError(f"{where}: layout.sequence_parallel must be true or false.")
+    if not isinstance(spec.get("sequence_parallel", False), bool) \
+            and spec.get("sequence_parallel") != UNKNOWN:
+        raise SpecError(f"{where}: layout.sequence_parallel must be true, false or \"unknown\".")
     return spec
 
 
@@ -381,10 +382,14 @@ def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch,
         else:
             per_rank = (model.layers + (2 if ends else 0)) // pp if pp > 1 else 1
             choices[key] = [v for v in range(1, per_rank + 1) if per_rank % v == 0]
+    sp_stated = spec.get("sequence_parallel", False)
+    sps = (False, True) if sp_stated == UNKNOWN else (bool(sp_stated),)
     known = {f.name for f in dataclasses.fields(Layout)}
     zero = int(spec["zero"])
-    for mb, rc, sched, v in itertools.product(*(choices[k] for k in
-                                                ("micro_batch", "recompute", "schedule", "v"))):
+    for mb, rc, sched, v, sp in itertools.product(
+            *(choices[k] for k in ("micro_batch", "recompute", "schedule", "v")), sps):
+        if sp and int(spec["tp"]) == 1 and len(sps) > 1:
+            continue  # sequence parallel needs tensor parallel: one candidate, not two
         if pp > 1 and (sched == "1f1b") != (v == 1):
             continue
         if per_dp % mb:
@@ -396,6 +401,6 @@ def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch,
             dp_replicate=dp if zero == 0 else 1, dp_shard=1 if zero == 0 else dp, zero=zero,
             tp=int(spec["tp"]), pp=pp, cp=int(spec["cp"]), schedule=sched if pp > 1 else "none",
             v=int(v) if pp > 1 else 1, micro_batch=int(mb), recompute=rc,
-            sequence_parallel=bool(spec.get("sequence_parallel", False)) and spec["tp"] > 1,
+            sequence_parallel=sp and spec["tp"] > 1,
             order=spec.get("order", "tp-cp-dp-pp"))
         yield Layout(**{k: v for k, v in kwargs.items() if k in known})

@@ -113,7 +113,8 @@ class RowResult:
         """The layout predicted, with the value chosen for each unknown field."""
         lo = self.prediction.layout
         picks = {"micro_batch": f"mb {lo.micro_batch}", "recompute": f"recompute {lo.recompute}",
-                 "schedule": f"schedule {lo.schedule}", "v": f"v {lo.v}"}
+                 "schedule": f"schedule {lo.schedule}", "v": f"v {lo.v}",
+                 "sequence_parallel": f"sequence parallel {'on' if lo.sequence_parallel else 'off'}"}
         unknown = ", ".join(picks[k] for k in self.ref.unknown if k in picks)
         return lo.name() + (f" ({unknown})" if unknown else "")
 
