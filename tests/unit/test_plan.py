@@ -159,6 +159,85 @@ def test_hugging_face_configs(tmp_path: Path) -> None:
     assert ds.params == preset("deepseek-v3").params
 
 
+# Published configs of other families (their Hugging Face config.json keys, abridged) and the
+# parameter counts their model cards state (GPT-2 124 M: 124,439,808 with biases and positions).
+HF_FAMILIES = [
+    ("gpt2", dict(model_type="gpt2", n_layer=12, n_embd=768, n_head=12, n_inner=None,
+                  n_positions=1024, vocab_size=50257, activation_function="gelu_new"),
+     124.4e6, dict(gated=False, tied=True, ffn=3072, kv=12)),
+    ("opt", dict(model_type="opt", num_hidden_layers=24, hidden_size=2048, ffn_dim=8192,
+                 num_attention_heads=32, vocab_size=50272, word_embed_proj_dim=2048,
+                 activation_function="relu"),
+     1.316e9, dict(gated=False, tied=True, ffn=8192)),
+    ("bloom", dict(model_type="bloom", n_layer=24, n_embed=1024, n_head=16, vocab_size=250880),
+     559.2e6, dict(gated=False, tied=True, ffn=4096)),
+    ("falcon", dict(model_type="falcon", num_hidden_layers=32, hidden_size=4544,
+                    num_attention_heads=71, multi_query=True, parallel_attn=True,
+                    vocab_size=65024),
+     6.92e9, dict(gated=False, tied=True, kv=1, ffn=18176)),
+    ("gpt_neox", dict(model_type="gpt_neox", num_hidden_layers=44, hidden_size=6144,
+                      num_attention_heads=64, intermediate_size=24576, vocab_size=50432,
+                      hidden_act="gelu_fast"),
+     20.55e9, dict(gated=False, tied=False)),
+    ("starcoder2", dict(model_type="starcoder2", num_hidden_layers=30, hidden_size=3072,
+                        num_attention_heads=24, num_key_value_heads=2, intermediate_size=12288,
+                        vocab_size=49152, hidden_act="gelu_pytorch_tanh", mlp_type="default"),
+     3.03e9, dict(gated=False, tied=True)),
+    ("gemma2", dict(model_type="gemma2", num_hidden_layers=42, hidden_size=3584,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                    intermediate_size=14336, vocab_size=256000, hidden_activation="gelu_pytorch_tanh"),
+     9.24e9, dict(gated=True, tied=True)),
+    ("llama, no tie key", dict(model_type="llama", **{k: v for k, v in LLAMA3_8B.items()
+                                                     if k != "tie_word_embeddings"}),
+     8.03e9, dict(gated=True, tied=False)),
+]
+
+
+@pytest.mark.parametrize("family, config, published, expect", HF_FAMILIES,
+                         ids=[f[0] for f in HF_FAMILIES])
+def test_hugging_face_families_are_read_by_their_own_keys_and_defaults(
+        tmp_path: Path, family, config, published, expect) -> None:
+    """GPT-2's n_layer/n_embd, OPT's ffn_dim, Falcon's multi_query, a plain MLP of 4 x hidden
+    where unstated, and each family's default for tied embeddings: the count is the model
+    card's (biases and learned positions aside: within 1 %)."""
+    dims = dims_from_hf_config(_hf(tmp_path, **{k: v for k, v in config.items()}))
+    assert dims.params == pytest.approx(published, rel=0.01)
+    for key, value in expect.items():
+        assert getattr(dims, key) == value, key
+    assert ("not gated" in dims.describe()) == (not dims.gated)
+
+
+def test_an_unknown_family_says_how_its_mlp_was_read(tmp_path: Path) -> None:
+    plain = dims_from_hf_config(_hf(tmp_path, model_type="newlm", num_hidden_layers=4,
+                                   hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                                   vocab_size=1000, hidden_act="gelu"))
+    assert not plain.gated and "'newlm'" in plain.note and "not gated" in plain.note
+    gated = dims_from_hf_config(_hf(tmp_path, model_type="newlm", num_hidden_layers=4,
+                                   hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                                   vocab_size=1000, hidden_act="silu"))
+    assert gated.gated and "gated" in gated.note
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(model_type="t5", is_encoder_decoder=True, num_layers=6, d_model=512, num_heads=8,
+          d_ff=2048, vocab_size=32128), ["encoder-decoder", "'t5'", "decoder-only"]),
+    (dict(model_type="bert", num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+          intermediate_size=3072, vocab_size=30522), ["encoder-only", "'bert'", "decoder-only"]),
+])
+def test_models_that_are_not_decoders_are_refused_as_such(tmp_path: Path, config, words) -> None:
+    with pytest.raises(SpecError) as err:
+        dims_from_hf_config(_hf(tmp_path, **config))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_a_config_file_of_another_name_is_named_by_its_stem(tmp_path: Path) -> None:
+    path = tmp_path / "my-llama.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    assert dims_from_hf_config(path).name == "my-llama"
+    assert dims_from_hf_config(_hf(tmp_path, **LLAMA3_8B)).name == tmp_path.name
+
+
 @pytest.mark.parametrize("change, words", [
     ({"num_hidden_layers": None}, ["'num_hidden_layers'"]),
     ({"hidden_size": "4096"}, ["hidden_size", "whole number"]),

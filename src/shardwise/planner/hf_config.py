@@ -1,5 +1,15 @@
 """The planner's view of a Hugging Face model from its `config.json` alone — no torch, no
-transformers: `dims_from_hf_config(path)` -> `ModelDims`, for `shardwise plan --model CONFIG`."""
+transformers: `dims_from_hf_config(path)` -> `ModelDims`, for `shardwise plan --model CONFIG`.
+
+Hugging Face's model families name the same quantities differently (GPT-2's `n_layer`/`n_embd`,
+OPT's `ffn_dim`, Falcon's `multi_query`) and differ in what they leave implicit (a plain MLP of
+4 x hidden, untied embeddings by default for Llama-style classes, tied for GPT-2-style ones), so
+the reader goes by `model_type`: the family says whether the MLP is gated (SwiGLU/GeGLU: three
+matrices) or plain (two), what an absent `tie_word_embeddings` means, and which key aliases apply.
+A family it does not know is read by the common keys, its MLP judged from `hidden_act`, and the
+summary line says so. Encoder-decoder and encoder-only models are refused: the planner plans
+decoder-only language models.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +22,44 @@ from shardwise.planner.models import ModelDims
 
 HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
+#: families whose MLP is two matrices (up, activation, down), with the width when unstated
+PLAIN_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gptj", "codegen", "opt",
+                       "bloom", "falcon", "starcoder2", "phi", "mpt", "biogpt", "xglm",
+                       "nemotron"})
+#: families whose MLP is gated (SwiGLU, GeGLU: gate, up, down)
+GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                       "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "phimoe",
+                       "deepseek_v2", "deepseek_v3", "olmo", "olmo2", "olmoe", "granite",
+                       "granitemoe", "cohere", "cohere2", "internlm2", "stablelm", "minicpm",
+                       "exaone", "glm", "glm4", "dbrx", "jamba", "arcee", "smollm3", "hunyuan"})
+#: families whose classes default `tie_word_embeddings` to false (PretrainedConfig's default,
+#: and so every other family's, is true)
+UNTIED_BY_DEFAULT = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                               "qwen3_moe", "phi3", "phimoe", "gpt_neox", "deepseek_v2",
+                               "deepseek_v3", "olmo", "olmo2", "olmoe", "granite", "granitemoe",
+                               "internlm2", "stablelm", "exaone", "dbrx", "nemotron", "jamba"})
+ENCODER_ONLY = frozenset({"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra",
+                          "albert", "distilbert", "camembert", "mpnet", "modernbert", "ernie"})
+#: the common key first, then the families' aliases (Hugging Face's attribute maps)
+ALIASES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "n_embed", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner"),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len",
+                                "seq_length"),
+}
+GATED_ACTS = ("silu", "swish", "swiglu", "geglu")
+
 
 def dims_from_hf_config(path: str | Path) -> ModelDims:
-    """`ModelDims` from a Hugging Face `config.json` (the usual keys; no transformers): layers,
-    hidden size, heads, KV heads, FFN, vocabulary, tied embeddings (Hugging Face's default:
-    tied), head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`,
-    `num_experts_per_tok`, `moe_intermediate_size`, `n_shared_experts` or
-    `shared_expert_intermediate_size`, `first_k_dense_replace`) and DeepSeek's MLA ranks."""
+    """`ModelDims` from a Hugging Face `config.json` (no transformers): layers, hidden size, heads,
+    KV heads (`num_key_value_heads`, Falcon's `num_kv_heads` / `multi_query`), FFN width and
+    whether it is gated (by `model_type`, see the module docstring), vocabulary, tied embeddings,
+    head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`, `num_experts_per_tok`,
+    `moe_intermediate_size`, `n_shared_experts` or `shared_expert_intermediate_size`,
+    `first_k_dense_replace`) and DeepSeek's MLA ranks."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"model config {path} does not exist (or is not a file). Pass a preset, a "
@@ -29,28 +70,39 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         raise SpecError(f"{path} is not readable JSON: {err}. Pass a Hugging Face config.json.") from None
     if not isinstance(config, dict):
         raise SpecError(f"{path} holds {type(config).__name__}, not a JSON object of config keys.")
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+    if not _has(config, "num_hidden_layers") and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a multimodal config: plan its language model
+    family = config.get("model_type") if isinstance(config.get("model_type"), str) else ""
+    _refuse_non_decoders(path, config, family)
+    notes: list[str] = []
 
     def get(key: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
-        value = config.get(key, default)
+        name = next((k for k in ALIASES.get(key, (key,)) if config.get(k) is not None), key)
+        value = config.get(name, default)
         if value is None:
             if required:
-                raise SpecError(f"{path} has no {key!r}; a Hugging Face config.json of a "
-                                "decoder-only transformer states num_hidden_layers, hidden_size, "
-                                "num_attention_heads, intermediate_size and vocab_size.")
+                also = [a for a in ALIASES.get(key, ())[1:]]
+                raise SpecError(
+                    f"{path} has no {key!r}{f' (nor {_either(also)})' if also else ''}; a Hugging "
+                    "Face config.json of a decoder-only transformer states its layers, hidden "
+                    "size, attention heads and vocabulary size (and, unless its family's MLP is "
+                    f"4 x hidden, the MLP width){f'; its model_type is {family!r}' if family else ''}.")
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise SpecError(f"{path}: {key} = {show(value)} must be a whole number of at least "
+            raise SpecError(f"{path}: {name} = {show(value)} must be a whole number of at least "
                             f"{minimum}.")
         return value
 
     layers = get("num_hidden_layers", required=True)
     hidden = get("hidden_size", required=True)
     heads = get("num_attention_heads", required=True)
-    kv = get("num_key_value_heads", heads)
+    kv = get("num_key_value_heads", None) or get("num_kv_heads", None)
+    if kv is None and config.get("multi_query") is True:  # Falcon-7B, GPT-BigCode: one K/V head
+        kv = 1
+    kv = kv or heads
     vocab = get("vocab_size", required=True)
-    tied = config.get("tie_word_embeddings", True)
+    gated = _gated(config, family, notes)
+    tied = config.get("tie_word_embeddings", family not in UNTIED_BY_DEFAULT)
     if not isinstance(tied, bool):
         raise SpecError(f"{path}: tie_word_embeddings = {show(tied)} must be true or false.")
     if heads % kv:
@@ -62,17 +114,25 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         raise SpecError(f"{path} declares {experts} experts but no num_experts_per_tok (how many "
                         "experts route each token); add it.")
     moe_ffn = get("moe_intermediate_size") if experts else 0
-    ffn = get("intermediate_size", required=not experts or moe_ffn is None)
+    expansion = config.get("expansion_ratio")  # MPT states its MLP as a multiple of d_model
+    if isinstance(expansion, int | float) and not isinstance(expansion, bool) and expansion > 0 \
+            and not _has(config, "intermediate_size"):
+        ffn = int(expansion * hidden)
+    elif not gated and not experts and not _has(config, "intermediate_size"):
+        ffn = 4 * hidden  # GPT-2, BLOOM, Falcon, GPT-Neo: the plain MLP's width when unstated
+    else:
+        ffn = get("intermediate_size", required=not experts or moe_ffn is None)
     if experts and not moe_ffn:  # Mixtral: intermediate_size is the expert width, no dense FFN
         moe_ffn, ffn = ffn, 0
     shared = get("n_shared_experts", 0, minimum=0) if experts else 0
     shared_width = get("shared_expert_intermediate_size", 0, minimum=0) if experts else 0
     if experts and shared_width and not shared:
         shared = max(1, round(shared_width / moe_ffn))
+        if shared * moe_ffn != shared_width:
+            notes.append(f"shared expert of width {shared_width} counted as {shared} of {moe_ffn}")
     dense_layers = get("first_k_dense_replace", 0, minimum=0) if experts else 0
     head_dim = get("head_dim", 0, minimum=0)
     attn = 0
-    note = ""
     if config.get("kv_lora_rank"):  # DeepSeek multi-head latent attention
         q_rank = get("q_lora_rank", 0, minimum=0)
         kv_rank = get("kv_lora_rank")
@@ -81,15 +141,59 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
         attn = q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * hidden
         head_dim, kv = (nope + rope + v) // 2, heads
-        note = "MLA approximated as MHA (heads of the mean q/k and v width), weights exact"
+        notes.append("MLA approximated as MHA (heads of the mean q/k and v width), weights exact")
+    window = config.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0 \
+            and config.get("use_sliding_window", True) is not False:
+        notes.append(f"sliding-window attention ({window}) planned as full causal attention")
     max_pos = get("max_position_embeddings", 0, minimum=0)
-    dims = ModelDims(name=path.parent.name or path.stem, layers=layers, hidden=hidden, heads=heads,
+    dims = ModelDims(name=path.parent.name if path.name == "config.json" and path.parent.name
+                     else path.stem, layers=layers, hidden=hidden, heads=heads,
                      kv_heads=kv, ffn=ffn or 0, vocab=vocab, seq_len=min(max_pos or 4096, 8192),
-                     tied=tied, head_dim=head_dim, experts=experts, top_k=top_k,
+                     tied=tied, gated=gated, head_dim=head_dim, experts=experts, top_k=top_k,
                      shared_experts=shared, expert_ffn=moe_ffn or 0,
-                     dense_layers=min(dense_layers, layers), attn_params=attn, note=note,
-                     source=str(path))
+                     dense_layers=min(dense_layers, layers), attn_params=attn,
+                     note="; ".join(notes), source=str(path))
     if dims.moe and dims.dense_layers and not dims.ffn:
         raise SpecError(f"{path}: first_k_dense_replace = {dense_layers} dense blocks need "
                         "intermediate_size (their FFN width).")
     return dims
+
+
+def _has(config: dict[str, Any], key: str) -> bool:
+    return any(config.get(k) is not None for k in ALIASES.get(key, (key,)))
+
+
+def _either(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _refuse_non_decoders(path: Path, config: dict[str, Any], family: str) -> None:
+    if config.get("is_encoder_decoder") is True:
+        raise SpecError(f"{path} is an encoder-decoder model (is_encoder_decoder = true"
+                        f"{f', model_type {family!r}' if family else ''}); shardwise plan plans "
+                        "decoder-only language models. Plan a decoder-only model, or describe yours "
+                        "in a RunSpec (a user model is planned from what it declares).")
+    if family in ENCODER_ONLY:
+        raise SpecError(f"{path} is an encoder-only model (model_type {family!r}); shardwise plan "
+                        "plans decoder-only language models. Plan a decoder-only model, or "
+                        "describe yours in a RunSpec (a user model is planned from what it "
+                        "declares).")
+
+
+def _gated(config: dict[str, Any], family: str, notes: list[str]) -> bool:
+    """Whether the MLP is gated: by family; for one the reader does not know, by its activation
+    (SiLU-style activations are gated in every family that uses them), said in the notes."""
+    if family in GATED_MLP:
+        return True
+    if family == "starcoder2" and config.get("mlp_type") == "gated":
+        return True
+    if family in PLAIN_MLP:
+        return False
+    act = config.get("hidden_act", config.get("hidden_activation", config.get("activation_function")))
+    act = act if isinstance(act, str) else ""
+    gated = any(a in act.lower() for a in GATED_ACTS) if act else True
+    what = f"model_type {family!r}" if family else "no model_type"
+    notes.append(f"{what}: MLP taken as {'gated' if gated else 'not gated'}"
+                 f"{f' from hidden_act {act!r}' if act else ''}")
+    return gated

@@ -239,12 +239,22 @@ class ModelDims:
     def describe(self) -> str:
         if self.opaque:
             return f"{self.name}: {self.params / 1e9:.3g} B parameters (shape unknown: data parallel only)"
-        moe = (f", MoE {self.experts} experts top-{self.top_k}"
-               f"{f' + {self.shared_experts} shared' if self.shared_experts else ''}, "
-               f"{self.active_params / 1e9:.3g} B active" if self.moe else "")
+        mlp = "" if self.gated else " (not gated)"
+        heads = f"{self.heads} heads / {self.kv} KV"
+        if self.head_dim and self.head_dim * self.heads != self.hidden and not self.attn_params:
+            heads += f" of width {self.head_dim}"
+        if not self.moe:
+            ffn = f", FFN {self.ffn}{mlp}"
+        else:  # the dense width only where dense blocks use it; the experts' own width
+            plural = "s" if self.dense_layers > 1 else ""
+            dense = f", FFN {self.ffn}{mlp} in {self.dense_layers} dense block{plural}" \
+                if self.dense_layers and self.ffn else ""
+            ffn = (f"{dense}, MoE {self.experts} experts of FFN {self.expert_ffn}{mlp} "
+                   f"top-{self.top_k}"
+                   f"{f' + {self.shared_experts} shared' if self.shared_experts else ''}, "
+                   f"{self.active_params / 1e9:.3g} B active")
         return (f"{self.name}: {self.params / 1e9:.4g} B parameters, {self.layers} layers, hidden "
-                f"{self.hidden}, {self.heads} heads / {self.kv} KV, FFN {self.ffn or self.expert_ffn}, "
-                f"vocab {self.vocab}{', tied' if self.tied else ''}{moe}")
+                f"{self.hidden}, {heads}, vocab {self.vocab}{', tied' if self.tied else ''}{ffn}")
 
 
 # --- presets ---------------------------------------------------------------------------------
