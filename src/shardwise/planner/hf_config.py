@@ -55,8 +55,9 @@ GATED_ACTS = ("silu", "swish", "swiglu", "geglu")
 
 def dims_from_hf_config(path: str | Path) -> ModelDims:
     """`ModelDims` from a Hugging Face `config.json` (no transformers): layers, hidden size, heads,
-    KV heads (`num_key_value_heads`, Falcon's `num_kv_heads` / `multi_query`), FFN width and
-    whether it is gated (by `model_type`, see the module docstring), vocabulary, tied embeddings,
+    KV heads (`num_key_value_heads`, Falcon's `num_kv_heads` / `n_head_kv` / `multi_query`), FFN
+    width and whether it is gated (by `model_type`, see the module docstring), vocabulary, tied
+    embeddings,
     head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`, `num_experts_per_tok`,
     `moe_intermediate_size`, `n_shared_experts` or `shared_expert_intermediate_size`,
     `first_k_dense_replace`) and DeepSeek's MLA ranks."""
@@ -96,7 +97,7 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
     layers = get("num_hidden_layers", required=True)
     hidden = get("hidden_size", required=True)
     heads = get("num_attention_heads", required=True)
-    kv = get("num_key_value_heads", None) or get("num_kv_heads", None)
+    kv = get("num_key_value_heads", None) or get("num_kv_heads", None) or get("n_head_kv", None)
     if kv is None and config.get("multi_query") is True:  # Falcon-7B, GPT-BigCode: one K/V head
         kv = 1
     kv = kv or heads
