@@ -517,6 +517,8 @@ def test_cli_json_has_the_layout_keys(capsys) -> None:
     for row in layouts:
         assert set(JSON_KEYS) <= set(row)
         assert row["mem_per_rank_bytes"] > 0 and row["tokens_per_s"] > 0 and 0 < row["mfu"] <= 1
+        assert row["model"]["name"] == "gpt-default" and row["model"]["params"] > 0
+        assert row["model"]["summary"].startswith("gpt-default: ")
 
 
 def test_cli_human_output_and_exit_1_with_the_smallest_cluster(capsys) -> None:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
               f"for {batch.global_batch:,} x {batch.seq_len:,} tokens; {where}.", file=sys.stderr)
         return 1
     if args.json:
-        print(report.layouts_json(result.top(args.top), band, cluster, tokens), file=out)
+        print(report.layouts_json(result.top(args.top), band, cluster, tokens, model), file=out)
     else:
         print(report.human(result, args.top, band), file=out)
     if args.explain:

@@ -8,6 +8,7 @@ from typing import Any
 from shardwise.planner.accuracy import HIGH_Q, LOW_Q, Interval
 from shardwise.planner.cost import Prediction
 from shardwise.planner.costing import run_cost
+from shardwise.planner.models import ModelDims
 from shardwise.planner.search import PlanResult
 from shardwise.spec.cluster import GIB, ClusterSpec
 from shardwise.spec.load import spec_from_dict, spec_to_toml
@@ -19,12 +20,18 @@ JSON_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "pp", "schedule", "v", "c
 
 
 def layouts_json(predictions: list[Prediction], band: Interval | None = None,
-                 cluster: ClusterSpec | None = None, tokens: float | None = None) -> str:
+                 cluster: ClusterSpec | None = None, tokens: float | None = None,
+                 model: ModelDims | None = None) -> str:
     """The predictions as a JSON list; with `tokens` (and the cluster) each carries its run's
-    cost (`planner/costing.py`)."""
+    cost (`planner/costing.py`); with `model`, how the model was read (a script can check which
+    interpretation of a config was planned)."""
     out = []
     for p in predictions:
         row = p.as_dict()
+        if model is not None:
+            row["model"] = {"name": model.name, "params": model.params,
+                            "active_params": model.active_params, "summary": model.describe(),
+                            "note": model.note, "source": model.source}
         if tokens and cluster is not None:
             c = run_cost(p, cluster, tokens, band)
             row["run"] = {"tokens": tokens, "days": c.days, "device_hours": c.device_hours,
