@@ -57,10 +57,9 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
     """`ModelDims` from a Hugging Face `config.json` (no transformers): layers, hidden size, heads,
     KV heads (`num_key_value_heads`, Falcon's `num_kv_heads` / `n_head_kv` / `multi_query`), FFN
     width and whether it is gated (by `model_type`, see the module docstring), vocabulary, tied
-    embeddings,
-    head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`, `num_experts_per_tok`,
-    `moe_intermediate_size`, `n_shared_experts` or `shared_expert_intermediate_size`,
-    `first_k_dense_replace`) and DeepSeek's MLA ranks."""
+    embeddings, head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`,
+    `num_experts_per_tok`, `moe_intermediate_size`, `n_shared_experts` or
+    `shared_expert_intermediate_size`, `first_k_dense_replace`) and DeepSeek's MLA ranks."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"model config {path} does not exist (or is not a file). Pass a preset, a "
@@ -82,9 +81,9 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         value = config.get(name, default)
         if value is None:
             if required:
-                also = [a for a in ALIASES.get(key, ())[1:]]
+                also = ", ".join(repr(a) for a in ALIASES.get(key, ())[1:])
                 raise SpecError(
-                    f"{path} has no {key!r}{f' (nor {_either(also)})' if also else ''}; a Hugging "
+                    f"{path} has no {key!r}{f' (nor {also})' if also else ''}; a Hugging "
                     "Face config.json of a decoder-only transformer states its layers, hidden "
                     "size, attention heads and vocabulary size (and, unless its family's MLP is "
                     f"4 x hidden, the MLP width){f'; its model_type is {family!r}' if family else ''}.")
@@ -165,21 +164,17 @@ def _has(config: dict[str, Any], key: str) -> bool:
     return any(config.get(k) is not None for k in ALIASES.get(key, (key,)))
 
 
-def _either(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names)
-
-
 def _refuse_non_decoders(path: Path, config: dict[str, Any], family: str) -> None:
     if config.get("is_encoder_decoder") is True:
-        raise SpecError(f"{path} is an encoder-decoder model (is_encoder_decoder = true"
-                        f"{f', model_type {family!r}' if family else ''}); shardwise plan plans "
-                        "decoder-only language models. Plan a decoder-only model, or describe yours "
-                        "in a RunSpec (a user model is planned from what it declares).")
-    if family in ENCODER_ONLY:
-        raise SpecError(f"{path} is an encoder-only model (model_type {family!r}); shardwise plan "
-                        "plans decoder-only language models. Plan a decoder-only model, or "
-                        "describe yours in a RunSpec (a user model is planned from what it "
-                        "declares).")
+        what = ("an encoder-decoder model (is_encoder_decoder = true"
+                f"{f', model_type {family!r}' if family else ''})")
+    elif family in ENCODER_ONLY:
+        what = f"an encoder-only model (model_type {family!r})"
+    else:
+        return
+    raise SpecError(f"{path} is {what}; shardwise plan plans decoder-only language models. Plan a "
+                    "decoder-only model, or describe yours in a RunSpec (a user model is planned "
+                    "from what it declares).")
 
 
 def _gated(config: dict[str, Any], family: str, notes: list[str]) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,34 +116,28 @@ def palm_flops_per_token(m: ModelDims, s: int) -> float:
     return m.flop_counts(s).per_token(causal_halved=False)
 
 
-#: a source's figure per unit of work -> FLOPs per token (TFLOP/s per GPU), or None where the
-#: figure is a rate of tokens, sequences or steps (`tokens_per_s` converts those)
-MEASURED_KINDS = {
+#: a TFLOP/s-per-GPU figure -> the source's FLOPs per token
+FLOP_FORMULAS = {
     "tflops_megatron_sc21": megatron_sc21_flops_per_token,
     "tflops_megatron_core": megatron_core_flops_per_token,
     "tflops_palm": palm_flops_per_token,
-    "tokens_per_s": None,
-    "tokens_per_s_per_gpu": None,
-    "samples_per_s": None,
-    "step_s": None,
 }
+#: a rate of tokens, sequences or steps -> the job's tokens/s (value, batch, GPUs): tokens/s of
+#: the whole job or per GPU (torchtitan's TPS/GPU), sequences/s, seconds per optimizer step
+RATE_KINDS: dict[str, Callable[[float, Batch, int], float]] = {
+    "tokens_per_s": lambda value, batch, gpus: value,
+    "tokens_per_s_per_gpu": lambda value, batch, gpus: value * gpus,
+    "samples_per_s": lambda value, batch, gpus: value * batch.seq_len,
+    "step_s": lambda value, batch, gpus: batch.tokens / value,
+}
+MEASURED_KINDS = (*FLOP_FORMULAS, *RATE_KINDS)
 
 
 def tokens_per_s(kind: str, value: float, model: ModelDims, batch: Batch, gpus: int) -> float:
-    """The job's tokens/s that a source's throughput figure implies: tokens/s of the whole job or
-    per GPU (torchtitan's TPS/GPU), sequences/s of the whole job, seconds per optimizer step of
-    `batch.global_batch` sequences, or TFLOP/s per GPU under the source's FLOP formula."""
-    if kind == "tokens_per_s":
-        return value
-    if kind == "tokens_per_s_per_gpu":
-        return value * gpus
-    if kind == "samples_per_s":
-        return value * batch.seq_len
-    if kind == "step_s":
-        return batch.tokens / value
-    formula = MEASURED_KINDS[kind]
-    assert formula is not None
-    return value * 1e12 * gpus / formula(model, batch.seq_len)
+    """The job's tokens/s that a source's throughput figure implies (`MEASURED_KINDS`)."""
+    if kind in RATE_KINDS:
+        return RATE_KINDS[kind](value, batch, gpus)
+    return value * 1e12 * gpus / FLOP_FORMULAS[kind](model, batch.seq_len)
 
 
 # --- loading ---------------------------------------------------------------------------------------
