@@ -310,10 +310,18 @@ def published(path: Path, write_fit: bool, output: Path | None) -> None:
                                   progress=lambda line: print(f"  {line}", flush=True))
     command = f"python benchmarks/bench_plan.py {shlex.join(sys.argv[1:])}".strip()
     text = published_report.markdown(result, command, stamp)
+    # the MoE rows, which no fit sees: predicted by the fit on the reference set
+    moe_path = path.with_name("published_moe.toml")
+    moe = published_report.out_of_sample(moe_path, result.fitted) if moe_path.exists() else []
+    if moe:
+        text += (f"\n`{moe_path.name}`, out of sample (predicted with the fit above):\n\n```\n"
+                 + published_report.text(moe, f"{len(moe)} MoE runs").strip() + "\n```\n")
     print(text)
     if write_fit:
         target = ROOT / "src" / "shardwise" / "planner" / "fitted.py"
-        target.write_text(published_report.fitted_module(result, stamp), encoding="utf-8")
+        target.write_text(published_report.fitted_module(result, stamp, moe,
+                                                         moe_path if moe else None),
+                          encoding="utf-8")
         print(f"wrote {target}")
     if output:
         with output.open("a", encoding="utf-8") as f:

@@ -296,27 +296,48 @@ def test_the_embedding_and_head_can_count_as_blocks_of_the_split() -> None:
     126 blocks + embedding + head over 16 ranks x 8 chunks, one unit each, so every rank runs 8
     units (the FLOP-balanced split of 112 chunks leaves some ranks 9 blocks and others 7)."""
     model = preset("llama3-405b")
-    split = layer_split(model, 128, 8192, ends=True)
+    split = layer_split(model, 128, 8192, split="ends_as_layers")
     assert split[0] == 0 and split[-1] == 0 and set(split[1:-1]) == {1} and sum(split) == 126
-    _, loads = rank_loads(model, 16, 8, "interleaved-1f1b", 8192, "none", 2, ends=True)
+    _, loads = rank_loads(model, 16, 8, "interleaved-1f1b", 8192, "none", 2, "ends_as_layers")
     assert [ld.blocks for ld in loads] == [7] + [8] * 14 + [7]
     assert loads[0].first and not loads[0].last and loads[-1].last and not loads[-1].first
     _, by_flops = rank_loads(model, 16, 7, "interleaved-1f1b", 8192, "none", 2)
     assert max(ld.blocks for ld in by_flops) == 9
     # uneven counts: the earlier stages take the remainder; too many stages is refused
-    assert layer_split(preset("llama3-8b"), 5, 4096, ends=True) == (6, 7, 7, 7, 5)
+    assert layer_split(preset("llama3-8b"), 5, 4096, split="ends_as_layers") == (6, 7, 7, 7, 5)
     with pytest.raises(ValueError, match="the embedding and the head"):
-        layer_split(preset("llama3-8b"), 35, 4096, ends=True)
+        layer_split(preset("llama3-8b"), 35, 4096, split="ends_as_layers")
+
+
+def test_megatrons_even_split_leaves_a_large_heads_stage_slowest() -> None:
+    """Megatron's default cut (pp_split "even") gives every stage the same blocks and the head
+    on top of the last: with GPT-OSS-120B's 201,088-wide head (as much work as four of its
+    blocks) the last stage is the slowest by the head's time, where shardwise's FLOP-balanced
+    cut moves blocks off it; the even cut predicts the slower step."""
+    model = ModelDims(name="gpt-oss-like", layers=36, hidden=2880, heads=64, kv_heads=8,
+                      head_dim=64, vocab=201088, experts=128, top_k=4, expert_ffn=2880)
+    assert layer_split(model, 4, 4096, split="even") == (9, 9, 9, 9)
+    flops = layer_split(model, 4, 4096)
+    assert sum(flops) == 36 and flops[-1] < 9
+    cluster = resolve_cluster("dgx-h100", nodes=8)
+    lo = Layout(dp_shard=16, zero=3, ep=8, pp=4, schedule="1f1b")
+    batch = Batch(1280, 4096)
+    even = predict(lo, model, cluster, batch, CostParams(pp_split="even"))
+    balanced = predict(lo, model, cluster, batch)
+    assert even.layer_split == (9, 9, 9, 9)
+    assert max(even.stage_time_s) == even.stage_time_s[-1] > max(balanced.stage_time_s)
+    assert even.stage_time_s[-1] - even.stage_time_s[0] > 0.2 * even.stage_time_s[0]
+    assert even.mfu < balanced.mfu
 
 
 def test_a_stage_of_only_the_head_moves_its_time_off_the_blocks() -> None:
-    """With `pp_ends_as_layers` the slowest rank runs 8 blocks, not 9: the same layout predicts
+    """With pp_split "ends_as_layers" the slowest rank runs 8 blocks, not 9: the same layout predicts
     a shorter step, and the prediction's layer split shows the embedding-only and head-only
     chunks as stages of no block."""
     model, cluster = preset("llama3-405b"), resolve_cluster("dgx-h100", nodes=1024)
     lo = Layout(dp_shard=64, zero=2, tp=8, pp=16, v=8, schedule="interleaved-1f1b",
                 sequence_parallel=True, micro_batch=1, order="tp-cp-pp-dp")
-    ends = predict(lo, model, cluster, LLAMA_BATCH, CostParams(pp_ends_as_layers=True))
+    ends = predict(lo, model, cluster, LLAMA_BATCH, CostParams(pp_split="ends_as_layers"))
     by_flops = predict(dataclasses.replace(lo, v=7), model, cluster, LLAMA_BATCH)
     assert ends.layer_split[0] == 0 and ends.layer_split[-1] == 0
     assert max(ends.stage_time_s) < max(by_flops.stage_time_s)

@@ -364,8 +364,10 @@ def test_cli_validate_refuses_a_stated_v_with_empty_stages(tmp_path, capsys, row
 
 
 @pytest.mark.parametrize("stack, words", [
-    ("pp_ends_as_layer = true", ["unknown key stack.pp_ends_as_layer", "pp_ends_as_layers"]),
-    ('pp_ends_as_layers = "yes"', ["stack.pp_ends_as_layers", "true or false"]),
+    ('pp_splt = "even"', ["unknown key stack.pp_splt", "pp_split"]),
+    ('pp_split = "by_count"', ["stack.pp_split = 'by_count'", '"flops" or "even" or "ends_as_layers"']),
+    ('ep_dispatch = "deepep"', ["stack.ep_dispatch = 'deepep'", '"all_to_all" or "deduplicated"']),
+    ("reduce_every_micro_batch = 1", ["reduce_every_micro_batch", "true or false"]),
     ("grad_bytes = 3", ["grad_bytes = 3", "2 (fp16/bf16) or 4 (fp32)"]),
     ('overlapped = ["tp", "pipeline"]', ["overlapped", "not pipeline"]),
     ("gemm_efficiency_hopper = 0.7", ["stack.gemm_efficiency_hopper is an efficiency",
@@ -375,11 +377,11 @@ def test_cli_validate_names_a_bad_stack_field(tmp_path, capsys, stack, words) ->
     a string "yes" read as true."""
     reference = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
     text = reference.read_text(encoding="utf-8")
-    old = "overlapped = [\"pp\", \"dp\", \"dp_under_pp\"], pp_ends_as_layers = true }"
+    old = "overlapped = [\"pp\", \"dp\", \"dp_under_pp\"], pp_split = \"ends_as_layers\" }"
     assert old in text
     path = tmp_path / "runs.toml"
     key = stack.split(" =")[0]
-    kept = "" if key.startswith(("pp_ends", "overlapped")) else ", pp_ends_as_layers = true"
+    kept = "" if key.startswith(("pp_spl", "overlapped")) else ", pp_split = \"ends_as_layers\""
     keep_overlap = "" if key == "overlapped" else "overlapped = [\"pp\"], "
     path.write_text(text.replace(old, f"{keep_overlap}{stack}{kept} }}"), encoding="utf-8")
     assert main(["plan", "--validate", str(path)]) == 2

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.errors import SpecError
 from shardwise.planner import accuracy, published, validate
 from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
 from shardwise.planner.dpcomm import fsdp_per_micro_batch
 from shardwise.planner.fitted import FITTED, HELD_OUT_RATIOS, SCORES
 from shardwise.planner.layout import Layout
 from shardwise.planner.params import CostParams
+from tests.support.reference_sets import refusal
 
 REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
 
@@ -134,7 +134,7 @@ def test_an_unknown_v_divides_what_the_stacks_split_puts_on_a_rank(refs) -> None
     + 2 put 8 units on each of 16 ranks and v is searched over 8's divisors, not 7's (126 // 16);
     a source without that split keeps the blocks' count."""
     llama = next(x for x in refs if x.id == "llama3-405b-8k-16384gpu")
-    assert llama.params(DEFAULT_PARAMS).pp_ends_as_layers
+    assert llama.params(DEFAULT_PARAMS).pp_split == "ends_as_layers"
     assert {lo.v for lo in llama.candidates} == {2, 4, 8}
     spec = {"tp": 8, "pp": 16, "cp": 1, "dp": 128, "zero": 2, "schedule": "interleaved-1f1b",
             "v": published.UNKNOWN, "micro_batch": 1, "recompute": "none"}
@@ -175,13 +175,7 @@ def test_a_malformed_reference_set_is_named_field_by_field(tmp_path, old, new, w
     """Every field of a reference set is checked when loaded: a wrong type, a value out of
     range or an unknown table is one SpecError naming the run (or model, or source) and the
     field, never a traceback from the cost model nor a silently ignored row."""
-    text = REFERENCE.read_text(encoding="utf-8")
-    assert old in text, old
-    path = tmp_path / "runs.toml"
-    path.write_text(text.replace(old, new, 1), encoding="utf-8")
-    with pytest.raises(SpecError) as err:
-        published.load(path)
-    message = " ".join(str(err.value).split())
+    message = refusal(REFERENCE, old, new, tmp_path)
     for word in words or ["not valid TOML"]:
         assert word in message, (word, message)
 

@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
                   tf32=base.run.tf32 if base is not None else True)
     tokens = _tokens(args)
     result = search(model, cluster, batch, params)
-    band = interval(cluster.device.generation) if cluster.cluster.device != "cpu" else None
+    band = (interval(cluster.device.generation, moe=model.moe)
+            if cluster.cluster.device != "cpu" else None)
     out = sys.stdout
     if not result.feasible:
         nodes = smallest_cluster(model, cluster, batch)

@@ -6,8 +6,11 @@ predicts its MFU with efficiencies fitted on the other sources only, and `planne
 keeps measured / predicted for every row, by hardware generation. A prediction's interval is its
 MFU (and tokens/s, and so its days and cost) times the 10th and 90th percentiles of those
 ratios on comparable runs: the same generation when it has at least `MIN_COMPARABLE` rows, else
-every row. It says what the published record says of this model's error, not a statistical
-confidence: the rows are few and not a random sample of runs (none used MoE, few used cp).
+every row. A mixture-of-experts model's band comes from the published MoE runs instead
+(benchmarks/published_moe.toml, `MOE_RATIOS`: predicted by the fit on the dense rows, none of
+them in it), which the dense rows' band would flatter. It says what the published record says of
+this model's error, not a statistical confidence: the rows are few and not a random sample of
+runs (few used cp).
 On a CPU cluster there is no interval (`--calibrate` measures the planner there).
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.fitted import HELD_OUT_RATIOS
+from shardwise.planner.fitted import HELD_OUT_RATIOS, MOE_RATIOS
 
 MIN_COMPARABLE = 5
 LOW_Q, HIGH_Q = 0.10, 0.90
@@ -28,10 +31,18 @@ class Interval:
     low: float  # measured / predicted at the 10th percentile
     high: float  # ... at the 90th
     runs: int  # how many held-out published runs it is drawn from
-    basis: str  # "hopper", "ampere" or "all"
+    basis: str  # "hopper", "ampere", "all" or "moe"
 
     def around(self, value: float) -> tuple[float, float]:
         return value * self.low, value * self.high
+
+    def drawn_from(self) -> str:
+        """What the band's ratios are, in words."""
+        if self.basis == "moe":
+            return (f"{self.runs} published MoE runs (benchmarks/published_moe.toml), predicted "
+                    "by the fit on the dense runs, none of them in it")
+        kind = "" if self.basis == "all" else self.basis + " "
+        return f"{self.runs} published {kind}runs, each predicted without its source"
 
 
 def ratios(generation: str) -> tuple[tuple[float, ...], str]:
@@ -43,11 +54,11 @@ def ratios(generation: str) -> tuple[tuple[float, ...], str]:
     return every, "all"
 
 
-def interval(generation: str) -> Interval | None:
-    """The band for a device of `generation` ("" or a CPU: None)."""
+def interval(generation: str, moe: bool = False) -> Interval | None:
+    """The band for a device of `generation` ("" or a CPU: None), for an MoE model if `moe`."""
     if not generation:
         return None
-    values, basis = ratios(generation)
+    values, basis = (MOE_RATIOS, "moe") if moe else ratios(generation)
     if len(values) < 2:
         return None
     low, high = quantiles(values, (LOW_Q, HIGH_Q))
@@ -71,5 +82,6 @@ def describe(mfu: float, band: Interval | None) -> str:
     if band is None:
         return f"{100 * mfu:.1f} % MFU"
     lo, hi = band.around(mfu)
+    kind = {"all": "", "moe": "MoE "}.get(band.basis, band.basis + " ")
     return (f"{100 * mfu:.1f} % MFU, {100 * lo:.0f}-{100 * hi:.0f} % on comparable published "
-            f"runs ({band.runs} {'' if band.basis == 'all' else band.basis + ' '}runs held out)")
+            f"runs ({band.runs} {kind}runs held out)")

@@ -27,12 +27,14 @@ and the last stage also the output projection (the loss's elementwise work is no
 Stage s sits on rank s mod p (looped placement), or for ZBV on ranks s and 2p-1-s (the V), as
 `shardwise.parallel.pipeline.stage_ids` places them.
 
-With `ends` (Megatron's --account-for-embedding-in-pipeline-split and
---account-for-loss-in-pipeline-split; the Llama 3 paper, §3.3.2: "the first model chunk on the first
-stage has only the embedding, and the last model chunk on the last stage has only output projection
-and loss calculation") the embedding and the output head count as one block each and the l + 2
-units are split evenly by count, as Megatron splits them: the first and last stages may hold no
-block.
+That is `split = "flops"`, shardwise's own cut. Published stacks cut otherwise
+(`CostParams.pp_split`): "even", Megatron's default, cuts the l blocks evenly by count with the
+embedding and the head riding on the first and last stages (a large vocabulary then makes the
+last stage the slowest); "ends_as_layers" (Megatron's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split; the Llama 3 paper, §3.3.2: "the first model chunk on the
+first stage has only the embedding, and the last model chunk on the last stage has only output
+projection and loss calculation") counts the embedding and the output head as one block each and
+splits the l + 2 units evenly by count: the first and last stages may hold no block.
 """
 
 from __future__ import annotations
@@ -94,17 +96,19 @@ def _layer_costs(model: ModelDims, seq_len: int, recompute: str, ac_every: int) 
 
 @lru_cache(maxsize=4096)
 def layer_split(model: ModelDims, stages: int, seq_len: int, recompute: str = "none",
-                ac_every: int = 2, ends: bool = False) -> tuple[int, ...]:
-    """Blocks per virtual stage (length `stages`, each >= 1), minimising the largest stage cost
-    (blocks' FLOPs + the output projection on the last); with `ends`, the embedding and the head
-    as one block each, split by count (see the module docstring)."""
+                ac_every: int = 2, split: str = "flops") -> tuple[int, ...]:
+    """Blocks per virtual stage (length `stages`): by `split` (see the module docstring),
+    "flops" minimising the largest stage cost (blocks' FLOPs + the output projection on the
+    last), each stage at least one block."""
     n = model.layers
     if stages <= 1:
         return (n,)
-    if ends:
+    if split == "ends_as_layers":
         return ends_split(n, stages)
     if stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} blocks")
+    if split == "even":
+        return tuple(_even(n, stages))
     costs = _layer_costs(model, seq_len, recompute, ac_every)
     head = model.head_flops(seq_len).per_token()
     prefix = [0.0]
@@ -169,13 +173,13 @@ def _even(n: int, stages: int) -> list[int]:
 
 @lru_cache(maxsize=4096)
 def rank_groups(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, recompute: str,
-                ac_every: int, ends: bool = False
+                ac_every: int, split: str = "flops"
                 ) -> tuple[tuple[int, ...], tuple[RankLoad, ...], tuple[int, ...]]:
     """(the layer split, the distinct loads, the index into them of each of the pp ranks)."""
-    split, loads = rank_loads(model, pp, v, schedule, seq_len, recompute, ac_every, ends)
+    sizes, loads = rank_loads(model, pp, v, schedule, seq_len, recompute, ac_every, split)
     distinct = tuple(dict.fromkeys(loads))
     where = {load: i for i, load in enumerate(distinct)}
-    return split, distinct, tuple(where[load] for load in loads)
+    return sizes, distinct, tuple(where[load] for load in loads)
 
 
 @lru_cache(maxsize=4096)
@@ -186,16 +190,17 @@ def flights(schedule: str, pp: int, v: int, m: int) -> tuple[float, ...]:
 
 @lru_cache(maxsize=4096)
 def rank_loads(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, recompute: str,
-               ac_every: int, ends: bool = False) -> tuple[tuple[int, ...], tuple[RankLoad, ...]]:
-    """(the layer split, what each of the pp ranks holds; `ends`: see `layer_split`)."""
+               ac_every: int, split: str = "flops"
+               ) -> tuple[tuple[int, ...], tuple[RankLoad, ...]]:
+    """(the blocks per stage, what each of the pp ranks holds; `split`: see `layer_split`)."""
     stages = pp * v if pp > 1 else 1
-    split = (layer_split(model, stages, seq_len, recompute, ac_every, ends) if not model.opaque
+    sizes = (layer_split(model, stages, seq_len, recompute, ac_every, split) if not model.opaque
              else (0,))
     owner = stage_ranks(pp, v, schedule) if pp > 1 else [0]
     # per rank, RankLoad's fields in order: four counts, then first and last
     acc: list[list[Any]] = [[0, 0, 0, 0, False, False] for _ in range(pp)]
     i = 0
-    for s, size in enumerate(split if not model.opaque else ()):
+    for s, size in enumerate(sizes if not model.opaque else ()):
         r = acc[owner[s]]
         for layer in range(i, i + size):
             moe = model.is_moe_layer(layer)
@@ -205,7 +210,7 @@ def rank_loads(model: ModelDims, pp: int, v: int, schedule: str, seq_len: int, r
         i += size
     acc[owner[0]][4] = True
     acc[owner[-1]][5] = True
-    return split, tuple(RankLoad(*a) for a in acc)
+    return sizes, tuple(RankLoad(*a) for a in acc)
 
 
 def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:

@@ -141,13 +141,16 @@ def all_gather(nbytes: float, grp: Group) -> float:
 reduce_scatter = all_gather
 
 
-def all_to_all(nbytes: float, grp: Group) -> float:
-    """`nbytes` leave each rank's buffer, 1/N of it to each member (itself included)."""
+def all_to_all(nbytes: float, grp: Group, network_bytes: float | None = None) -> float:
+    """`nbytes` leave each rank's buffer, 1/N of it to each member (itself included), of which
+    `network_bytes` cross nodes (default: the members' share on other nodes)."""
     n = grp.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     k = grp.per_node
-    off_node = (n - k) / n * nbytes / grp.inter_bandwidth if grp.inter else 0.0
+    if network_bytes is None:
+        network_bytes = (n - k) / n * nbytes
+    off_node = network_bytes / grp.inter_bandwidth if grp.inter else 0.0
     on_node = (k - 1) / n * nbytes / grp.intra_bandwidth
     return _latency(grp, n - 1, grp.nodes - 1, 1) + max(off_node, on_node)
 

@@ -42,6 +42,7 @@ from functools import lru_cache
 from shardwise.planner import comm
 from shardwise.planner.bubble import RankLoad, bubble_slots, flights, rank_groups
 from shardwise.planner.compute import kind_flops, model_flops_per_token, rank_flops
+from shardwise.planner.dispatch import token_copies
 from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.kernels import (
     ZERO,
@@ -152,7 +153,7 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     m = max(lo.micro_batches(batch), 1)
     s = batch.seq_len
     split, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, s, lo.recompute,
-                                         lo.ac_every, params.pp_ends_as_layers)
+                                         lo.ac_every, params.pp_split)
     groups, pp_inter = _groups(lo, cluster, params)
     ctx = _Ctx(lo, model, cluster, batch, params, m, chip_for(cluster, batch, params), groups,
                pp_inter)
@@ -282,9 +283,13 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
             else a_time["cp"]
     # expert parallel: dispatch + combine all-to-all per MoE block, forward and backward.
     if lo.ep > 1 and load.moe:
-        size = q * model.top_k * ctx.local_tokens * h / lo.tp
+        token = q * ctx.local_tokens * h / lo.tp
+        grp = g["ep"]
+        ranks, nodes = token_copies(model.experts, model.top_k, lo.ep, grp.nodes,
+                                    p.ep_dispatch, p.ep_routing)
+        size, network = ranks * token, nodes * (grp.nodes - 1) / grp.nodes * token
         n_a2a = 4 * load.moe + 2 * load.ck_moe
-        a_time["ep"] = n_a2a * comm.all_to_all(size, g["ep"])
+        a_time["ep"] = n_a2a * comm.all_to_all(size, grp, network)
         a_bytes["ep"] = n_a2a * (lo.ep - 1) / lo.ep * size
         exposed["ep"] = a_time["ep"] * (1 - p.ep_overlap)
     # pipeline: each rank sends v activations forward and v gradients back per micro-batch.
@@ -372,7 +377,7 @@ def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
     model = as_dims(model)
     lo = layout
     _, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, batch.seq_len, lo.recompute,
-                                     lo.ac_every, params.pp_ends_as_layers)
+                                     lo.ac_every, params.pp_split)
     return _peak_memory(lo, model, batch, distinct, index, max(lo.micro_batches(batch), 1), params,
                         device)
 

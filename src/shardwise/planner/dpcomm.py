@@ -4,7 +4,8 @@ last backward; under pipeline parallel ZeRO-2 keeps the stage gathered and gathe
 step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's bucketed
 all-reduce, Megatron's distributed optimizer (reduce-scatter of the gradients, all-gather of the
 low-precision parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter
-tensor). How much of it hides behind compute is the cost model's business (`planner/cost.py`).
+tensor); under expert parallel the routed experts' gradients and shards on the expert-data-parallel
+group (the ranks holding the same experts), the rest on data parallel. How much of it hides behind compute is the cost model's business (`planner/cost.py`).
 Cached: the search predicts many layouts that differ only in micro-batch and recompute."""
 
 from __future__ import annotations
@@ -107,26 +108,37 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
             replicate_axis=False)
     if lo.dp <= 1:
         return DpComm(0.0, 0.0, 0.0, 0.0, dense_p + expert_p, 0.0, 0.0, 0.0, 0.0, False)
-    full = gb * (dense_p + expert_p)
     distributed = lo.zero == 1 and low_precision_params
-    if distributed:  # Megatron's distributed optimizer: reduce-scatter the gradients
-        t_red = comm.reduce_scatter(full, g["dp"])
-        red_bytes = (lo.dp - 1) / lo.dp * full
+    ddp = lo.zero == 0
+    # under expert parallel the routed experts' gradients and shards live on the expert-data-
+    # parallel group (the dp ranks that hold the same experts: shard_experts), the rest on dp
+    parts = [(dense_p, g["dp"], lo.dp)]
+    if lo.ep > 1 and expert_p:
+        parts.append((expert_p, g["shard_experts"], ne))
     else:
-        # DDP's buckets: the first of 1 MiB, then 25 MiB each, one all-reduce apiece
-        buckets = 1 + math.ceil(max(full - 2**20, 0.0) / (25 * 2**20))
-        t_red = comm.all_reduce(full, g["dp"]) + (buckets - 1) * comm.all_reduce(1.0, g["dp"])
-        red_bytes = 2 * (lo.dp - 1) / lo.dp * full
-    t_ag = ag_bytes = 0.0
+        parts = [(dense_p + expert_p, g["dp"], lo.dp)]
+    t_red = red_bytes = t_ag = ag_bytes = 0.0
     shard = dense_p + expert_p
-    if lo.zero == 1:  # the updated shards all-gathered after the step
-        width = compute_bytes(precision) if distributed else 4
-        t_ag = comm.all_gather(width * (dense_p + expert_p), g["dp"])
+    for count, group, n in parts:
+        if n <= 1:
+            continue
+        full = gb * count
+        if distributed:  # Megatron's distributed optimizer: reduce-scatter the gradients
+            t_red += comm.reduce_scatter(full, group)
+            red_bytes += (n - 1) / n * full
+        else:
+            # DDP's buckets: the first of 1 MiB, then 25 MiB each, one all-reduce apiece
+            buckets = 1 + math.ceil(max(full - 2**20, 0.0) / (25 * 2**20))
+            t_red += comm.all_reduce(full, group) + (buckets - 1) * comm.all_reduce(1.0, group)
+            red_bytes += 2 * (n - 1) / n * full
+        if lo.zero == 1:  # the updated shards all-gathered after the step
+            width = compute_bytes(precision) if distributed else 4
+            t_ag += comm.all_gather(width * count, group)
+            ag_bytes += (n - 1) / n * width * count
+    if lo.zero == 1:
         if not distributed:  # shardwise's ZeRO-1 gathers one tensor at a time
             t_ag += (param_tensors(model, load) - 1) * comm.all_gather(1.0, g["dp"])
-        ag_bytes = (lo.dp - 1) / lo.dp * width * (dense_p + expert_p)
-        shard = (dense_p + expert_p) / lo.dp
-    ddp = lo.zero == 0
+        shard = sum(count / n for count, _, n in parts)
     return DpComm(0.0, 0.0, t_red, t_ag, shard,
                    time_shard=(0.0 if ddp else t_red) + t_ag,
                    time_replicate=t_red if ddp else 0.0,

@@ -6,40 +6,46 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-05 23:08 UTC from published_runs.toml (sha256 556e52075220c0bb...)"
+GENERATED = "2026-12-06 02:09 UTC from published_runs.toml (sha256 7efe362dd78a12db...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.6804,
-    "gemm_efficiency_hopper": 0.5435,
+    "gemm_efficiency_ampere": 0.6802,
+    "gemm_efficiency_hopper": 0.5412,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.5342,
-    "gemm_k_half_ampere": 125.4477,
-    "gemm_k_half_hopper": 176.689,
+    "attention_efficiency_hopper": 0.5362,
+    "gemm_k_half_ampere": 124.8866,
+    "gemm_k_half_hopper": 180.1774,
     "overlap": 1.0,
-    "fsdp_overlap": 0.5519,
-    "step_host_s": 0.0838,
+    "fsdp_overlap": 0.5668,
+    "step_host_s": 0.0832,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        0.9404, 0.9533, 0.9847, 0.971, 1.0305, 0.9675, 1.0221, 1.0183, 1.0341, 1.0866,
-        1.1058, 1.0694, 1.0237, 1.0056, 1.0336, 1.0535, 0.977, 0.9737, 0.9539, 0.9578,
-        0.9485, 0.9432, 0.9913, 0.7987, 0.9391, 1.0041, 0.959, 0.8183, 0.9408, 1.021,
-        0.9348, 0.8898, 0.9661, 0.9497, 1.0241,
+        0.9408, 0.9536, 0.9849, 0.9711, 1.0306, 0.9675, 1.0221, 1.0184, 1.0341, 1.0866,
+        1.1059, 1.0695, 1.0238, 1.0057, 1.0337, 1.0536, 0.9771, 0.9738, 0.9529, 0.9568,
+        0.9476, 0.9425, 0.9902, 0.7981, 0.9382, 1.003, 0.9578, 0.8175, 0.9399, 1.0196,
+        0.934, 0.889, 0.9649, 0.9488, 1.0225,
     ),
     "hopper": (
-        1.109, 1.1127, 1.1747, 1.1604, 0.9962, 0.9589, 0.9669, 1.0701, 1.0368, 0.9854,
-        0.9781, 0.993, 1.0171, 0.9249, 1.0419, 1.0235, 0.8939, 0.8976, 0.893, 0.903,
-        0.9223, 0.9382, 0.9084, 0.9233, 0.942, 0.916, 0.9239,
+        1.109, 1.1127, 1.1747, 1.1604, 0.9915, 0.9589, 0.9669, 1.0701, 1.0368, 0.9924,
+        0.9847, 0.9964, 1.0177, 0.9255, 1.0422, 1.024, 0.8965, 0.8999, 0.8949, 0.9007,
+        0.9198, 0.9368, 0.903, 0.9177, 0.9363, 0.9086, 0.9163,
     ),
 }
 
+#: measured / predicted MFU of each mixture-of-experts row, predicted by the fit above (none of them in it):
+#: published_moe.toml (sha256 6d2b09b3f922ff21...)
+MOE_RATIOS: tuple[float, ...] = (
+    0.7307, 0.7296, 0.7083, 0.71, 0.9115, 0.8722, 0.7184, 0.7028,
+)
+
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.53,
-    "in_sample_max": 6.429,
-    "held_out_mae": 2.312,
-    "held_out_max": 7.079,
+    "in_sample_mae": 1.564,
+    "in_sample_max": 6.424,
+    "held_out_mae": 2.333,
+    "held_out_max": 7.106,
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import SpecError, show
-from shardwise.planner.models import ModelDims
+from shardwise.planner.models import ModelDims, mla_attention
 
 HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
@@ -138,9 +138,8 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         kv_rank = get("kv_lora_rank")
         nope, rope = get("qk_nope_head_dim", 128), get("qk_rope_head_dim", 64)
         v = get("v_head_dim", 128)
-        q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
-        attn = q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * hidden
-        head_dim, kv = (nope + rope + v) // 2, heads
+        attn, head_dim = mla_attention(hidden, heads, q_rank, kv_rank, nope, rope, v)
+        kv = heads
         notes.append("MLA approximated as MHA (heads of the mean q/k and v width), weights exact")
     window = config.get("sliding_window")
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 \

@@ -138,8 +138,13 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     tokens = micro_batch * seq_len // cp
     h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
     r = max(q, residual_bytes)
-    # projections: (k, n) per rank, with the tokens each sees
-    mats = [(tokens, h, (a + 2 * kv) * hd // tp), (tokens, a * hd // tp, h)]
+    # projections: (k, n) per rank, with the tokens each sees; attention whose weights are not
+    # GQA's formula (MLA: `ModelDims.attn_params`) as one GEMM of its weights from the hidden
+    # size (its FLOPs exact; its low-rank GEMMs' shapes not)
+    if model.attn_params:
+        mats = [(tokens, h, max(model.attn_params // (h * tp), 1))]
+    else:
+        mats = [(tokens, h, (a + 2 * kv) * hd // tp), (tokens, a * hd // tp, h)]
     if kind == "moe":
         routed = tokens * model.top_k
         width = model.expert_ffn // tp

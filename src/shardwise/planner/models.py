@@ -283,23 +283,34 @@ def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, batch_toke
                      note="Llama 3 (Meta 2024, Table 3)")
 
 
+def mla_attention(hidden: int, heads: int, q_rank: int, kv_rank: int, nope: int, rope: int,
+                  v: int) -> tuple[int, int]:
+    """Multi-head latent attention (DeepSeek-V2/V3) as the planner holds it: its projection
+    weights counted exactly (query LoRA of rank `q_rank`, 0 for a full query projection; KV
+    LoRA of rank `kv_rank`; rotary width `rope`, non-rotary `nope`, value width `v`), and a
+    head width for MHA of the same score and value FLOPs — the mean of the (nope + rope)-wide
+    query/key heads and the v-wide value heads. The compressed KV cache only matters for
+    inference; training activations are those of MHA of those widths. Returns (weights per
+    block, head width)."""
+    qk = nope + rope
+    q = hidden * q_rank + q_rank * heads * qk if q_rank else hidden * heads * qk
+    weights = q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * hidden
+    return weights, (qk + v) // 2
+
+
 # DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, §4.2 and its config.json):
 # 61 blocks, hidden 7168, 128 heads; the first 3 blocks dense (FFN 18432), the other 58 MoE with
 # 256 routed experts (top-8) + 1 shared, expert FFN 2048; vocabulary 129,280, untied; 671 B
 # parameters, ~37 B active (the multi-token-prediction module is left out, as in the 671 B).
-# Multi-head latent attention is approximated as multi-head attention with 128 heads of width 160
-# — the mean of MLA's 192-wide query/key heads (128 + 64 rotary) and 128-wide value heads, which
-# makes the score and value FLOPs exact — with its projection weights counted exactly (query LoRA
-# rank 1536, KV LoRA rank 512, rotary 64): 187,105,280 per block. The compressed KV cache only
-# matters for inference; training activations are those of MHA of those widths. Batch: 15,360
-# sequences of 4,096 tokens (the report's final batch size).
-_MLA_PARAMS = (7168 * 1536 + 1536 * 128 * (128 + 64) + 7168 * (512 + 64)
-               + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
+# Multi-head latent attention (`mla_attention`: query LoRA rank 1536, KV LoRA rank 512, rotary
+# 64): 187,105,280 weights per block, heads of width 160. Batch: 15,360 sequences of 4,096
+# tokens (the report's final batch size).
+_MLA_PARAMS, _MLA_HEAD = mla_attention(7168, 128, 1536, 512, 128, 64, 128)
 
 
 def _deepseek_v3() -> ModelDims:
     return ModelDims(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128,
-                     head_dim=160, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
+                     head_dim=_MLA_HEAD, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
                      shared_experts=1, expert_ffn=2048, dense_layers=3, attn_params=_MLA_PARAMS,
                      default_global_batch=15360,
                      note="DeepSeek-V3-like (MLA approximated as MHA, see planner/models.py)")

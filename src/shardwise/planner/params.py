@@ -100,16 +100,25 @@ class CostParams:
     # not overlap them (async TP / DualPipe would); 0 = fully exposed.
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
+    # How expert parallel moves tokens and which experts a token picks (`planner/dispatch.py`):
+    # "all_to_all" sends one copy per routed expert (Megatron's alltoall dispatcher, shardwise's);
+    # "deduplicated" one per destination rank, and one per destination node across nodes (DeepEP).
+    ep_dispatch: str = "all_to_all"
+    # "uniform": independent top-k choices over the experts; "consecutive": adjacent expert ids
+    # (a forced-balanced benchmark gate's routing).
+    ep_routing: str = "uniform"
     # Megatron's scatter/gather pipeline optimisation (Narayanan et al. SC21 §4.1; on by default
     # there, and only without sequence parallelism): each tensor-parallel rank sends 1/tp of the
     # activation over its own NIC and the receiving ranks all-gather it over NVLink. False:
     # every tensor-parallel rank sends the whole (replicated) activation, as shardwise does.
     pp_scatter_gather: bool = False
-    # The pipeline split counts the embedding and the output head (with the loss) as one block
-    # each, split by count (Megatron's --account-for-embedding-in-pipeline-split and
-    # --account-for-loss-in-pipeline-split; Llama 3 §3.3.2). False: blocks are split by FLOPs
-    # with the head on the last stage, as shardwise splits them (`planner/bubble.py`).
-    pp_ends_as_layers: bool = False
+    # How the pipeline cuts the blocks into stages (`planner/bubble.py`, `PP_SPLITS`): "flops",
+    # as shardwise cuts them (by FLOPs, the output head counted on the last stage); "even",
+    # Megatron's default (the blocks by count, the embedding and the head on top of the first and
+    # last stages' share); "ends_as_layers", the embedding and the head (with the loss) counted
+    # as one block each and cut by count (Megatron's --account-for-embedding-in-pipeline-split
+    # and --account-for-loss-in-pipeline-split; Llama 3 §3.3.2).
+    pp_split: str = "flops"
     # Memory: the caching allocator's reserved-but-unused share of what is allocated.
     fragmentation: float = 0.10
     # CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicator buffers per rank.
@@ -169,6 +178,9 @@ DEFAULT_PARAMS = CostParams()
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CostParams))
 
 #: which `CostParams.overlapped` entries the cost model knows
+#: how a pipeline cuts the blocks into stages (`CostParams.pp_split`)
+PP_SPLITS = ("flops", "even", "ends_as_layers")
+
 OVERLAPPABLE = ("tp", "cp", "pp", "dp", "dp_under_pp", "param_gather")
 
 #: the fitted efficiencies of `CostParams` (`planner/validate.py` fits them)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from shardwise.errors import SpecError, UserError
 from shardwise.planner.cost import OVERHEAD_FIELDS, OVERLAPPABLE, CostParams
+from shardwise.planner.dispatch import DISPATCHERS, ROUTINGS
+from shardwise.planner.params import PP_SPLITS
 
 PARAMS_TABLE = "cost_params"
 
@@ -47,6 +49,11 @@ def validate_params(params: CostParams, origin: str = "the cost parameters",
     for name in ("gemm_k_half_ampere", "gemm_k_half_hopper"):
         if not (getattr(params, name) >= 0 and math.isfinite(getattr(params, name))):
             raise bad(name, "a finite number of at least 0")
+    for name, choices in (("ep_dispatch", DISPATCHERS), ("ep_routing", ROUTINGS)):
+        if getattr(params, name) not in choices:
+            raise bad(name, " or ".join(f'"{x}"' for x in choices))
+    if params.pp_split not in PP_SPLITS:
+        raise bad("pp_split", " or ".join(f'"{x}"' for x in PP_SPLITS))
     unknown = [x for x in params.overlapped if x not in OVERLAPPABLE]
     if unknown:
         raise bad("overlapped", f"a list of {', '.join(OVERLAPPABLE)} (not {', '.join(unknown)})")

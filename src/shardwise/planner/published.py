@@ -21,7 +21,7 @@ from shardwise.errors import SpecError
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
-from shardwise.planner.models import ModelDims
+from shardwise.planner.models import ModelDims, mla_attention
 from shardwise.planner.params_file import validate_params
 from shardwise.spec.checks import choice
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
@@ -29,10 +29,16 @@ from shardwise.spec.toml import build_table
 from shardwise.spec.training import PRECISIONS
 
 UNKNOWN = "unknown"
-LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "zero", "schedule", "v", "micro_batch", "recompute",
+LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "schedule", "v", "micro_batch", "recompute",
                "sequence_parallel", "order")
+#: a mixture of experts: routed experts, how many a token uses, always-active shared experts of
+#: the same width, one expert's FFN width, and the leading blocks that are dense (FFN `ffn`)
+MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ffn", "dense_layers")
+#: multi-head latent attention (DeepSeek-V2/V3, `models.mla_attention`); q_lora_rank 0: a full
+#: query projection
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gated", "tied",
-              "head_dim")
+              "head_dim", *MOE_KEYS, *MLA_KEYS)
 MAX_UNKNOWN_MICRO_BATCH = 8
 
 
@@ -178,11 +184,20 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
         raise SpecError(f"{origin}: [models.{name}] has unknown keys {unknown}; valid keys: "
                         f"{', '.join(MODEL_KEYS)}.")
     where = f"{origin}: [models.{name}]"
-    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in table]
+    moe = _moe(table, where)
+    # an MoE model whose every block routes has no dense FFN to state
+    needed = ("layers", "hidden", "heads", "vocab") + (
+        () if moe and not moe["dense_layers"] else ("ffn",))
+    missing = [k for k in needed if k not in table]
     if missing:
         raise SpecError(f"{where} does not set {', '.join(missing)}; a model states layers, "
-                        "hidden, heads, ffn and vocab.")
-    sizes = {k: _whole(table[k], k, where) for k in ("layers", "hidden", "heads", "ffn", "vocab")}
+                        "hidden, heads, ffn (the dense FFN width; an MoE model whose every block "
+                        "routes may leave it out) and vocab.")
+    sizes = {k: _whole(table[k], k, where) for k in needed}
+    if moe and moe["dense_layers"] >= sizes["layers"]:
+        raise SpecError(f"{where}: dense_layers = {moe['dense_layers']} leaves no MoE block of "
+                        f"the {sizes['layers']}; state fewer, or drop the MoE keys for a dense "
+                        "model.")
     kv, hd = table.get("kv_heads", 0), table.get("head_dim", 0)
     for key, value in (("kv_heads", kv), ("head_dim", hd)):
         if value:
@@ -191,6 +206,23 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
             raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: the default).")
     if kv and sizes["heads"] % kv:
         raise SpecError(f"{where}: kv_heads = {kv} does not divide heads = {sizes['heads']}.")
+    attn = 0
+    if any(k in table for k in MLA_KEYS):
+        if kv or hd:
+            raise SpecError(f"{where}: kv_heads / head_dim do not apply to multi-head latent "
+                            f"attention ({', '.join(MLA_KEYS)}); remove them.")
+        missing = [k for k in MLA_KEYS[1:] if k not in table]
+        if missing:
+            raise SpecError(f"{where}: multi-head latent attention needs {', '.join(missing)} "
+                            "too (q_lora_rank may be left out: 0, a full query projection).")
+        q_rank = table.get("q_lora_rank", 0)
+        if q_rank:
+            _whole(q_rank, "q_lora_rank", where)
+        elif q_rank != 0:
+            raise SpecError(f"{where}: q_lora_rank = {q_rank!r} must be a whole number (0: a "
+                            "full query projection).")
+        kv_rank, nope, rope, v = (_whole(table[k], k, where) for k in MLA_KEYS[1:])
+        attn, hd = mla_attention(sizes["hidden"], sizes["heads"], q_rank, kv_rank, nope, rope, v)
     if not hd and sizes["hidden"] % sizes["heads"]:
         raise SpecError(f"{where}: heads = {sizes['heads']} does not divide hidden = "
                         f"{sizes['hidden']}; state head_dim if the heads are not hidden / heads wide.")
@@ -199,8 +231,32 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
         if not isinstance(value, bool):
             raise SpecError(f"{where}: {key} = {value!r} must be true or false.")
     return ModelDims(name=name, layers=sizes["layers"], hidden=sizes["hidden"],
-                     heads=sizes["heads"], kv_heads=kv, ffn=sizes["ffn"], vocab=sizes["vocab"],
-                     gated=flags["gated"], tied=flags["tied"], head_dim=hd, source=origin)
+                     heads=sizes["heads"], kv_heads=kv, ffn=sizes.get("ffn", 0),
+                     vocab=sizes["vocab"], gated=flags["gated"], tied=flags["tied"], head_dim=hd,
+                     attn_params=attn, experts=moe.get("experts", 0),
+                     top_k=moe.get("top_k", 0), shared_experts=moe.get("shared_experts", 0),
+                     expert_ffn=moe.get("expert_ffn", 0), dense_layers=moe.get("dense_layers", 0),
+                     source=origin)
+
+
+def _moe(table: Mapping[str, Any], where: str) -> dict[str, int]:
+    """A model's mixture-of-experts fields (`MOE_KEYS`), checked; empty for a dense model."""
+    if not any(k in table for k in MOE_KEYS):
+        return {}
+    missing = [k for k in ("experts", "top_k", "expert_ffn") if k not in table]
+    if missing:
+        raise SpecError(f"{where}: an MoE model states experts, top_k and expert_ffn; "
+                        f"{', '.join(missing)} missing.")
+    moe = {k: _whole(table[k], k, where) for k in ("experts", "top_k", "expert_ffn")}
+    for key in ("shared_experts", "dense_layers"):
+        value = table.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: none).")
+        moe[key] = value
+    if moe["top_k"] > moe["experts"]:
+        raise SpecError(f"{where}: top_k = {moe['top_k']} is more than the {moe['experts']} "
+                        "experts.")
+    return moe
 
 
 def _source(table: Mapping[str, Any], origin: str) -> Source:
@@ -237,11 +293,12 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if spec["tp"] * spec["pp"] * spec["cp"] * spec["dp"] != gpus:
         raise SpecError(f"{where}: tp·pp·cp·dp = "
                         f"{spec['tp'] * spec['pp'] * spec['cp'] * spec['dp']} != gpus {gpus}.")
+    _check_ep(spec, model, where)
     cluster = _cluster(source, gpus, where)
     batch = Batch(global_batch=global_batch, seq_len=seq_len, precision=precision)
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
     stack = _stack({**source.stack, **_table(row, "stack", where)}, where)
-    ends = bool(stack.get("pp_ends_as_layers", False))
+    ends = stack.get("pp_split") == "ends_as_layers"
     units = model.layers + (2 if ends else 0)
     pp, v = spec["pp"], spec.get("v", 1)
     if pp > 1 and v != UNKNOWN and pp * v > units:
@@ -310,6 +367,7 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     spec = dict(raw)
     for key in ("tp", "pp", "cp", "dp"):
         _whole(spec[key], f"layout.{key}", where)
+    _whole(spec.setdefault("ep", 1), "layout.ep", where)
     if spec["zero"] not in (0, 1, 2, 3) or isinstance(spec["zero"], bool):
         raise SpecError(f"{where}: layout.zero = {spec['zero']!r} must be 0 (DDP), 1, 2 or 3.")
     for key in ("v", "micro_batch"):
@@ -322,6 +380,29 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
             and spec.get("sequence_parallel") != UNKNOWN:
         raise SpecError(f"{where}: layout.sequence_parallel must be true, false or \"unknown\".")
     return spec
+
+
+def _check_ep(spec: Mapping[str, Any], model: ModelDims, where: str) -> None:
+    """Expert parallel as the planner models it: the routed experts split over `ep` ranks carved
+    out of the data-parallel (x context-parallel) ranks, under a sharded optimizer, each
+    expert's own tensor parallel that of the dense blocks (Megatron's
+    --expert-tensor-parallel-size equal to --tensor-model-parallel-size)."""
+    ep = spec["ep"]
+    if ep == 1:
+        return
+    if not model.moe:
+        raise SpecError(f"{where}: layout.ep = {ep} for {model.name}, which has no experts; "
+                        "state ep = 1 or the model's MoE fields (experts, top_k, expert_ffn).")
+    if model.experts % ep:
+        raise SpecError(f"{where}: layout.ep = {ep} does not divide the {model.experts} experts.")
+    if (spec["dp"] * spec["cp"]) % ep:
+        raise SpecError(f"{where}: layout.ep = {ep} does not divide dp·cp = "
+                        f"{spec['dp'] * spec['cp']}: expert parallel takes its ranks from the "
+                        "data-parallel ones (a row whose experts fold over tensor-parallel ranks, "
+                        "expert tensor parallel != tp, is not expressible yet).")
+    if spec["zero"] == 0:
+        raise SpecError(f"{where}: layout.ep = {ep} with zero = 0: the planner models expert "
+                        "parallel under a sharded optimizer (zero 1-3) only.")
 
 
 def _stack(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -357,8 +438,8 @@ def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch,
                       ends: bool = False) -> Iterator[Layout]:
     """Every Layout the row's fields allow: one when all are stated; otherwise each unknown field
     over the values it can take (see the module docstring of benchmarks/published_runs.toml). An
-    unknown v divides the blocks per rank (with `ends`, the stack's `pp_ends_as_layers`, the
-    blocks and the embedding and head, as Megatron requires)."""
+    unknown v divides the blocks per rank (with `ends`, the stack's pp_split "ends_as_layers",
+    the blocks and the embedding and head, as Megatron requires)."""
     dp, pp = int(spec["dp"]), int(spec["pp"])
     per_dp = batch.global_batch // dp
     choices: dict[str, Sequence[Any]] = {}
@@ -393,7 +474,8 @@ def candidate_layouts(spec: Mapping[str, Any], model: ModelDims, batch: Batch,
             continue
         kwargs: dict[str, Any] = dict(
             dp_replicate=dp if zero == 0 else 1, dp_shard=1 if zero == 0 else dp, zero=zero,
-            tp=int(spec["tp"]), pp=pp, cp=int(spec["cp"]), schedule=sched if pp > 1 else "none",
+            tp=int(spec["tp"]), pp=pp, cp=int(spec["cp"]), ep=int(spec.get("ep", 1)),
+            schedule=sched if pp > 1 else "none",
             v=int(v) if pp > 1 else 1, micro_batch=int(mb), recompute=rc,
             sequence_parallel=sp and spec["tp"] > 1,
             order=spec.get("order", "tp-cp-dp-pp"))

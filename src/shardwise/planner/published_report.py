@@ -31,6 +31,12 @@ class Validation:
     seconds: float
 
 
+def out_of_sample(path: str | Path, params: CostParams) -> list[RowResult]:
+    """Every row of a reference set no fit has seen (benchmarks/published_moe.toml), predicted
+    with `params` (the fit on the reference set)."""
+    return validate.predict_all(load(path), params)
+
+
 def run(path: str | Path, base: CostParams,
         progress: Callable[[str], None] | None = None) -> Validation:
     """Load, predict with `base`, fit on all rows, and fit leaving each source out."""
@@ -133,9 +139,14 @@ def held_out_ratios(v: Validation) -> dict[str, tuple[float, ...]]:
 
 # --- planner/fitted.py -----------------------------------------------------------------------
 
-def fitted_module(v: Validation, stamp: str) -> str:
-    """The text of `planner/fitted.py` for this validation."""
+def fitted_module(v: Validation, stamp: str, moe: Sequence[RowResult] = (),
+                  moe_path: Path | None = None) -> str:
+    """The text of `planner/fitted.py` for this validation, with the ratios of the MoE rows
+    (`moe`, from `moe_path`) predicted by its fit."""
     digest = hashlib.sha256(v.path.read_bytes()).hexdigest()[:16]
+    moe_ratios = tuple(round(r.ratio, 4) for r in moe)
+    moe_from = (f"{moe_path.name} (sha256 {hashlib.sha256(moe_path.read_bytes()).hexdigest()[:16]}"
+                "...)" if moe_path else "no file")
     ins, held = score(v.in_sample), score(v.held_out)
     fitted = ",\n".join(f'    "{f}": {getattr(v.fitted, f)!r}' for f in FITTED_FIELDS)
     ratios = ",\n".join(f'    "{g}": (\n' + _wrapped(rs) + ")"
@@ -150,10 +161,14 @@ def fitted_module(v: Validation, stamp: str) -> str:
             "#: measured / predicted MFU of each row, predicted by a fit without its source, by "
             "generation\n"
             f"HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {{\n{ratios},\n}}\n\n"
+            "#: measured / predicted MFU of each mixture-of-experts row, predicted by the fit "
+            f"above (none of them in it):\n#: {moe_from}\n"
+            f"MOE_RATIOS: tuple[float, ...] = (\n{_wrapped(moe_ratios, indent=4)})\n\n"
             "#: MFU error in points: in-sample and held out\n"
             f"SCORES: dict[str, float] = {{\n{score_text},\n}}\n")
 
 
-def _wrapped(values: tuple[float, ...], per_line: int = 10) -> str:
-    return "".join("        " + ", ".join(repr(x) for x in values[i:i + per_line]) + ",\n"
-                   for i in range(0, len(values), per_line)) + "    "
+def _wrapped(values: tuple[float, ...], per_line: int = 10, indent: int = 8) -> str:
+    """`values` as lines of a tuple's body, the closing bracket's indent after them."""
+    return "".join(" " * indent + ", ".join(repr(x) for x in values[i:i + per_line]) + ",\n"
+                   for i in range(0, len(values), per_line)) + " " * (indent - 4)

@@ -84,10 +84,9 @@ def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
         lines += _table(rows)
         best = result.feasible[0]
         if band is not None:
-            lines.append(f"MFU band: measured / predicted MFU of {band.runs} published "
-                         f"{'' if band.basis == 'all' else band.basis + ' '}runs, each predicted "
-                         f"without its source, {100 * LOW_Q:.0f}th-{100 * HIGH_Q:.0f}th "
-                         "percentile (benchmarks/RESULTS.md); `--explain 1` breaks #1 down")
+            lines.append(f"MFU band: measured / predicted MFU of {band.drawn_from()}, "
+                         f"{100 * LOW_Q:.0f}th-{100 * HIGH_Q:.0f}th percentile "
+                         "(benchmarks/RESULTS.md); `--explain 1` breaks #1 down")
         if best.pod_bound:
             lines.append(f"placement: #1's {', '.join(best.pod_bound)} groups span pods, and the "
                          "oversubscribed uplinks between pods bound them")

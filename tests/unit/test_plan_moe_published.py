@@ -1,0 +1,247 @@
+"""The planner against published mixture-of-experts runs (benchmarks/published_moe.toml): a
+reference set states MoE models (routed, shared and dense-leading blocks; multi-head latent
+attention) and expert-parallel layouts, each checked when loaded; the rows are scored out of
+sample with the fit on the dense rows; an MoE model's interval comes from them; and expert
+parallel under a sharded optimizer reduces the experts' gradients on the expert-data-parallel
+group, not on all of data parallel."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from shardwise.planner import accuracy, comm, published, published_report, validate
+from shardwise.planner.cluster import resolve_cluster
+from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict
+from shardwise.planner.dispatch import distinct_groups, token_copies
+from shardwise.planner.dpcomm import dp_comm
+from shardwise.planner.fitted import MOE_RATIOS
+from shardwise.planner.kernels import block_times
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.models import mla_attention, preset
+from shardwise.planner.params import CostParams
+from shardwise.planner.published_report import fitted_module
+from tests.support.reference_sets import refusal
+
+MOE = Path(__file__).resolve().parents[2] / "benchmarks" / "published_moe.toml"
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[published.Reference]:
+    return published.load(MOE)
+
+
+def test_moe_models_load_with_their_experts_and_latent_attention(rows) -> None:
+    by = {r.model.name: r.model for r in rows}
+    oss = by["gpt-oss-120b"]
+    assert (oss.experts, oss.top_k, oss.expert_ffn, oss.dense_layers, oss.ffn) == (128, 4, 2880, 0, 0)
+    # its model card: 116.83 B, 5.13 B active without the input embedding (biases and sinks are
+    # the 0.04 B the planner leaves out)
+    assert oss.params == pytest.approx(116.83e9, rel=0.001)
+    assert oss.active_params - 201088 * 2880 == pytest.approx(5.13e9, rel=0.001)
+    # DeepSeek-V3 from the file is the preset built in, weights and all
+    ds = by["deepseek-v3"]
+    built_in = preset("deepseek-v3")
+    assert ds.params == built_in.params and ds.active_params == built_in.active_params
+    assert (ds.attn_params, ds.hd) == mla_attention(7168, 128, 1536, 512, 128, 64, 128)
+    assert ds.layer_kinds[:4] == ("dense", "dense", "dense", "moe")
+    kimi = by["kimi-k2"]
+    assert kimi.params == pytest.approx(1.0e12, rel=0.03)  # its model card: 1 T, 32 B activated
+    assert kimi.active_params == pytest.approx(32e9, rel=0.03)
+
+
+def test_every_moe_row_is_expert_parallel_inside_data_parallel(rows) -> None:
+    for r in rows:
+        (lo,) = r.candidates
+        assert lo.ep > 1 and (lo.dp_shard * lo.cp) % lo.ep == 0 and lo.zero >= 1, r.id
+        assert r.model.experts % lo.ep == 0
+
+
+def test_the_moe_rows_are_scored_out_of_sample_by_the_shipped_fit(rows) -> None:
+    """planner/fitted.py's MOE_RATIOS are these rows predicted with the fitted (dense-only)
+    parameters: regenerated with the fit, never fitted on."""
+    results = validate.predict_all(rows, DEFAULT_PARAMS)
+    assert tuple(round(r.ratio, 4) for r in results) == MOE_RATIOS
+    assert len(MOE_RATIOS) == len(rows) >= 5
+
+
+def test_an_moe_models_interval_comes_from_the_moe_rows() -> None:
+    dense = accuracy.interval("hopper")
+    moe = accuracy.interval("hopper", moe=True)
+    assert dense is not None and moe is not None
+    assert moe.basis == "moe" and moe.runs == len(MOE_RATIOS)
+    assert (moe.low, moe.high) == tuple(accuracy.quantiles(MOE_RATIOS, (0.1, 0.9)))
+    assert (moe.low, moe.high) != (dense.low, dense.high)
+    assert "MoE runs held out" in accuracy.describe(0.30, moe)
+    assert "published_moe.toml" in moe.drawn_from() and "without its source" in dense.drawn_from()
+    assert accuracy.interval("", moe=True) is None
+
+
+def test_the_generated_module_carries_the_moe_ratios(rows, tmp_path) -> None:
+    class _V:  # the parts of a Validation fitted_module reads
+        path = MOE
+        fitted = DEFAULT_PARAMS
+        held_out = in_sample = validate.predict_all(rows[:1], DEFAULT_PARAMS)
+
+    results = validate.predict_all(rows, DEFAULT_PARAMS)
+    text = fitted_module(_V, "stamp", results, MOE)  # type: ignore[arg-type]
+    namespace: dict = {}
+    exec(compile(text, "fitted.py", "exec"), namespace)
+    assert namespace["MOE_RATIOS"] == tuple(round(r.ratio, 4) for r in results)
+    assert "published_moe.toml (sha256 " in text
+    empty: dict = {}
+    exec(compile(fitted_module(_V, "stamp"), "fitted.py", "exec"), empty)  # type: ignore[arg-type]
+    assert empty["MOE_RATIOS"] == ()
+
+
+def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
+    """Megatron's distributed optimizer with ep 8 inside dp 16: the dense gradients are
+    reduce-scattered over the 16 data-parallel ranks, the experts' over the 2 that hold the same
+    experts (the bytes each rank sends: (n-1)/n of what it reduces)."""
+    model = published.load(MOE)[0].model
+    cluster = resolve_cluster("dgx-h100", nodes=8)
+    params = CostParams(low_precision_params=True, grad_bytes=4)
+    lo = Layout(dp_shard=16, zero=1, ep=8, pp=4, schedule="1f1b")
+    from shardwise.planner.bubble import rank_groups
+
+    _, loads, _ = rank_groups(model, 4, 1, "1f1b", 4096, "none", 2, False)
+    load = loads[0]
+    from shardwise.planner.memory import rank_params
+
+    rp = rank_params(model, load, 1, 8)
+    dense, experts = rp.linear + rp.other, rp.experts
+    got = dp_comm(model, load, lo, 80, "bf16", cluster, params)
+    reduce = 15 / 16 * 4 * dense + 1 / 2 * 4 * experts
+    gather = 15 / 16 * 2 * dense + 1 / 2 * 2 * experts
+    assert got.bytes_shard == pytest.approx(reduce + gather)
+    assert got.shard_params == pytest.approx(dense / 16 + experts / 2)
+    # without expert parallel every gradient is reduced over all of data parallel
+    flat = dp_comm(model, load, Layout(dp_shard=16, zero=1, pp=4, schedule="1f1b"), 80, "bf16",
+                   cluster, params)
+    rp1 = rank_params(model, load, 1, 1)
+    assert flat.bytes_shard == pytest.approx(15 / 16 * 6 * rp1.total)
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("experts = 128\ntop_k = 4\nexpert_ffn = 2880", "experts = 128\ntop_k = 4",
+     ["[models.gpt-oss-120b]", "experts, top_k and expert_ffn", "expert_ffn missing"]),
+    ("experts = 128\ntop_k = 4", "experts = 4\ntop_k = 8", ["top_k = 8 is more than the 4"]),
+    ("dense_layers = 1", "dense_layers = 61", ["dense_layers = 61 leaves no MoE block"]),
+    ("dense_layers = 3", "dense_layers = -1", ["dense_layers = -1 must be a whole number"]),
+    ("v_head_dim = 128\nexperts = 256", "experts = 256",
+     ["[models.deepseek-v3]", "latent attention needs v_head_dim"]),
+    ("q_lora_rank = 1536\nkv_lora_rank = 512\nqk_nope_head_dim = 128\nqk_rope_head_dim = 64\n"
+     "v_head_dim = 128\nexperts = 384", "kv_heads = 8\nq_lora_rank = 1536\nkv_lora_rank = 512\n"
+     "qk_nope_head_dim = 128\nqk_rope_head_dim = 64\nv_head_dim = 128\nexperts = 384",
+     ["kv_heads / head_dim do not apply to multi-head latent attention"]),
+    ("dp = 16, ep = 8, zero = 1", "dp = 16, ep = 32, zero = 1",
+     ["gpt-oss-120b-64gpu-26.02", "layout.ep = 32 does not divide dp·cp = 16",
+      "expert tensor parallel != tp"]),
+    ("dp = 16, ep = 8, zero = 1", "dp = 16, ep = 3, zero = 1",
+     ["layout.ep = 3 does not divide the 128 experts"]),
+    ("dp = 16, ep = 8, zero = 1", "dp = 16, ep = 8, zero = 0",
+     ["layout.ep = 8 with zero = 0", "sharded optimizer"]),
+    ("dp = 16, ep = 8, zero = 1", 'dp = 16, ep = "eight", zero = 1',
+     ["layout.ep = 'eight' must be a whole number"]),
+    ("experts = 128\ntop_k = 4\nexpert_ffn = 2880\n", "ffn = 11520\n",
+     ["layout.ep = 8 for gpt-oss-120b, which has no experts"])])
+def test_a_malformed_moe_row_is_named_field_by_field(tmp_path, old, new, words) -> None:
+    message = refusal(MOE, old, new, tmp_path)
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_out_of_sample_rows_are_predicted_with_the_parameters_given(rows) -> None:
+    slow = CostParams(gemm_efficiency_hopper=0.3)
+    a = published_report.out_of_sample(MOE, DEFAULT_PARAMS)
+    b = published_report.out_of_sample(MOE, slow)
+    assert [r.ref.id for r in a] == [r.id for r in rows]
+    assert all(x.predicted_mfu > y.predicted_mfu for x, y in zip(a, b, strict=True))
+
+
+def test_a_deduplicating_dispatcher_sends_a_token_once_per_rank_and_node() -> None:
+    """All-to-all sends top_k copies; DeepEP's kernels one per destination rank and one per
+    destination node across nodes. Independent top-k choices over E experts in G equal blocks
+    touch G(1 - C(E - E/G, k)/C(E, k)) blocks; AutoModel's forced-balanced gate gives a token k
+    consecutive experts, one or two ranks."""
+    assert token_copies(256, 8, 64, 8, "all_to_all", "uniform") == (8.0, 8.0)
+    ranks, nodes = token_copies(256, 8, 64, 8, "deduplicated", "uniform")
+    assert ranks == pytest.approx(64 * (1 - math.comb(252, 8) / math.comb(256, 8)))
+    assert nodes == pytest.approx(8 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+    assert 7 < ranks < 8 and 5 < nodes < 5.5
+    # consecutive: 8 experts from a multiple of 8, 4 a rank -> 2 ranks, 32 a node -> 1 node
+    assert token_copies(256, 8, 64, 8, "deduplicated", "consecutive") == (2.0, 1.0)
+    # 3 experts from a multiple of 3 over blocks of 4: spans 1 or 2 blocks, 1.5 on average
+    assert distinct_groups(12, 3, 3, "consecutive") == pytest.approx(1.5)
+    assert distinct_groups(256, 8, 1, "uniform") == 1.0
+
+
+def test_dedup_cuts_the_network_share_of_expert_parallel() -> None:
+    """The same layout over 8 nodes: the deduplicated dispatch moves fewer bytes across nodes
+    (network time down), and nothing changes on one node's NVLink for a uniform top-1."""
+    model = preset("deepseek-v3")
+    cluster = resolve_cluster("dgx-h100", nodes=32)
+    lo = Layout(dp_shard=64, zero=2, ep=64, pp=4, v=8, schedule="interleaved-1f1b")
+    batch = Batch(512, 4096)
+    plain = predict(lo, model, cluster, batch, CostParams())
+    dedup = predict(lo, model, cluster, batch, CostParams(ep_dispatch="deduplicated"))
+    local = predict(lo, model, cluster, batch, CostParams(ep_dispatch="deduplicated",
+                                                          ep_routing="consecutive"))
+    assert plain.breakdown["ep"] > dedup.breakdown["ep"] > local.breakdown["ep"] > 0
+    # all_to_all's network bytes: (N-1)/N of the top_k copies, as before the dispatcher existed
+    token = 2 * 4096 * model.hidden
+    grp_nodes = 8
+    assert comm.all_to_all(8 * token, plain_group(cluster, lo)) == pytest.approx(
+        comm.all_to_all(8 * token, plain_group(cluster, lo), 8 * token * (grp_nodes - 1) / grp_nodes))
+
+
+def plain_group(cluster, lo):
+    groups, _ = comm.mesh_groups(lo.tp, lo.cp, lo.dp_shard, lo.dp_replicate, lo.pp, lo.ep,
+                                 lo.order, cluster, 0.85, 8.4e-6)
+    return groups["ep"]
+
+
+def test_latent_attentions_projections_cost_its_own_weights() -> None:
+    """MLA's projections (187 M weights a block for DeepSeek-V3) are timed as GEMMs of those
+    weights, not of the MHA it is approximated by for the attention core (587 M)."""
+    model = preset("deepseek-v3")
+    chip = chip_for(resolve_cluster("dgx-h100", nodes=1), Batch(8, 4096),
+                    CostParams())
+    assert chip is not None
+    mla = block_times(model, "dense", 1, 4096, 1, 1, False, 2, 2, True, False, False, chip)
+    mha = block_times(dataclasses.replace(model, attn_params=0), "dense", 1, 4096, 1, 1, False,
+                      2, 2, True, False, False, chip)
+    mha_weights = 4 * model.hidden * model.heads * model.hd
+    saved = (mha_weights - model.attn_params) * 2 * 4096 * 3  # forward + two backward GEMMs
+    spent = (mha.forward.gemm + mha.backward.gemm) - (mla.forward.gemm + mla.backward.gemm)
+    assert spent > 0
+    assert spent * chip.peak == pytest.approx(saved / chip.gemm, rel=0.25)
+
+
+def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:
+    """`shardwise plan --model config.json` of an MoE model carries the band of the published
+    MoE runs, and says so under the table; a dense model's stays the dense runs'."""
+    import json
+
+    from shardwise.cli.main import main
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "vocab_size": 151936, "tie_word_embeddings": False, "num_experts": 128,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 768, "hidden_act": "silu"}
+    path = tmp_path / "qwen3-moe" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config), encoding="utf-8")
+    args = ["plan", "--model", str(path), "--cluster", "dgx-h100", "--nodes", "2",
+            "--global-batch", "256", "--seq-len", "4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "published MoE runs (benchmarks/published_moe.toml)" in out
+    band = accuracy.interval("hopper", moe=True)
+    assert band is not None
+    assert main([*args, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["mfu_interval"] == pytest.approx([best["mfu"] * band.low, best["mfu"] * band.high])
