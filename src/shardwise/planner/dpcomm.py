@@ -5,7 +5,8 @@ step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's b
 all-reduce, Megatron's distributed optimizer (reduce-scatter of the gradients, all-gather of the
 low-precision parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter
 tensor); under expert parallel the routed experts' gradients and shards on the expert-data-parallel
-group (the ranks holding the same experts), the rest on data parallel. How much of it hides behind compute is the cost model's business (`planner/cost.py`).
+group (the ranks holding the same experts), the rest on data parallel. How much of it hides
+behind compute is the cost model's business (`planner/cost.py`).
 Cached: the search predicts many layouts that differ only in micro-batch and recompute."""
 
 from __future__ import annotations
