@@ -134,3 +134,23 @@ def test_restart_under_torchrun_without_a_run_dir(every, kill_step, resumed_from
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1, runs
     _check(runs[0], resumed_from)
+
+
+@pytest.mark.timeout(240)
+def test_a_native_crash_is_named_and_its_stack_printed(small_corpus, tmp_path):
+    """A worker that dies of SIGSEGV (a crash in torch, a collective library or an extension;
+    here the `crash` fault) prints every thread's Python stack before it dies, and the
+    launcher's one paragraph names the signal and points at that stack, not "exit code -11"."""
+    run_dir = tmp_path / "run"
+    config = _config(small_corpus, tmp_path, str(run_dir), 0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", str(config), "--set",
+         'failure.faults="crash:rank=1:step=2"'],
+        cwd=tmp_path, text=True, capture_output=True, timeout=200)
+    assert proc.returncode == 1, proc.stderr
+    assert "Fatal Python error: Segmentation fault" in proc.stderr
+    assert "resilience/faults.py" in proc.stderr  # where the crash happened, from its stack
+    err = flat(proc.stderr)
+    assert "rank 1 killed by SIGSEGV" in err and "a crash in native code" in err
+    assert "Fatal Python error" in err.split("training failed:")[-1]  # the pointer to the stack
+    assert "Traceback" not in proc.stderr  # one paragraph, no Python traceback of the CLI

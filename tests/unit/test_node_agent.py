@@ -169,3 +169,15 @@ def test_failed_workers_keep_torchruns_report_without_a_traceback(monkeypatch, t
 def test_other_errors_are_not_taken_for_a_lost_store(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unrelated"):
         _run_node(monkeypatch, tmp_path, ValueError("unrelated"))
+
+
+def test_the_launchers_message_names_how_each_rank_ended() -> None:
+    from shardwise.run.agent import describe_exits
+
+    assert describe_exits({1: 1}) == "rank 1 exit code 1"
+    assert describe_exits({0: -9, 1: -15}) == "rank 0 killed by SIGKILL, rank 1 killed by SIGTERM"
+    crashed = describe_exits({0: -11, 1: -15})
+    assert crashed.startswith("rank 0 killed by SIGSEGV, rank 1 killed by SIGTERM (a crash in ")
+    assert "Python stack above" in crashed
+    assert describe_exits({0: -6}).startswith("rank 0 killed by SIGABRT (a crash")
+    assert describe_exits({2: -200}) == "rank 2 killed by signal 200"

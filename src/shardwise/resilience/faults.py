@@ -2,6 +2,8 @@
 
 A fault list is `;`-separated; each fault is `kind:key=value:key=value`, for example
     kill:rank=1:step=3:phase=backward      SIGKILL rank 1 as step 3 enters backward
+    crash:rank=1:step=3                    SIGSEGV instead: a crash in native code (a launched
+                                           worker prints every thread's Python stack first)
     raise:rank=0:step=2:phase=optimizer    raise an exception instead
     hang:rank=1:step=4:phase=forward       sleep until the collective timeout fires
     slow:rank=1:ms=200                     sleep 200 ms in every step (a straggler)
@@ -59,7 +61,7 @@ class FaultInjector:
     def at(self, phase: str, step: int) -> None:
         """Called as `step` (1-based) enters `phase`."""
         for fault in self.faults:
-            if fault.kind in ("kill", "raise", "hang", "mismatch", "signal") \
+            if fault.kind in ("kill", "crash", "raise", "hang", "mismatch", "signal") \
                     and fault.phase is None:
                 fault = Fault(fault.kind, fault.rank, fault.step, "forward", fault.ms,
                               fault.attempt, fault.sig)
@@ -67,6 +69,8 @@ class FaultInjector:
                 continue
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "crash":
+                os.kill(os.getpid(), signal.SIGSEGV)
             if fault.kind == "signal":
                 os.kill(os.getpid(), signal.Signals[fault.sig])
             if fault.kind == "raise":

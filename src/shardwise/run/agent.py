@@ -93,17 +93,42 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
         messages = sorted({p.read_text() for p in errors.glob("rank-*.txt")})
         if messages:  # a user error, the same on every rank that saw it: say it once
             raise WorkersFailed(" ".join(messages), 2) from None
-        listed = ", ".join(f"rank {r} exit code {c}" for r, c in sorted(codes.items()))
         diagnosis = explain_failure(run_dir, nproc)
         if diagnosis:
             print(f"\n{diagnosis}", file=sys.stderr, flush=True)
         raise WorkersFailed(
-            f"training failed: {listed} (a negative code is the signal that stopped it). The "
-            f"workers' own output is above; the run directory {run_dir} keeps everything "
-            f"written so far: continue from its last checkpoint with `shardwise train --resume "
-            f"{run_dir}`.", 1) from None
+            f"training failed: {describe_exits(codes)}. The workers' own output is above; the "
+            f"run directory {run_dir} keeps everything written so far: continue from its last "
+            f"checkpoint with `shardwise train --resume {run_dir}`.", 1) from None
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+#: signals that mean the process crashed (in native code: torch, a collective library, an
+#: extension), not that something stopped it
+CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+
+
+def describe_exits(codes: dict[int, int]) -> str:
+    """How each failed rank ended, in words: "rank 1 exit code 1", "rank 0 killed by SIGKILL",
+    and for a crash where its stack was printed (a launched worker's faulthandler)."""
+    parts, crashed = [], False
+    for rank, code in sorted(codes.items()):
+        if code >= 0:
+            parts.append(f"rank {rank} exit code {code}")
+            continue
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        crashed = crashed or name in CRASH_SIGNALS
+        parts.append(f"rank {rank} killed by {name}")
+    text = ", ".join(parts)
+    if crashed:
+        text += (" (a crash in native code: torch, a collective library or an extension; the "
+                 "crashed rank printed every thread's Python stack above, from the "
+                 "\"Fatal Python error\" line)")
+    return text
 
 
 def _agent_signal_options(preempt_signals: str, grace_s: float) -> dict[str, object]:

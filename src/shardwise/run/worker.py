@@ -10,8 +10,13 @@ Started three ways, all ending in `run_worker`:
 from __future__ import annotations
 
 if __name__ == "__main__":  # a launched worker: preemption handled before torch is imported
+    import faulthandler
+
     from shardwise.resilience.preempt import catch_early
 
+    # a crash in native code (SIGSEGV, SIGBUS, SIGABRT, ...) prints every thread's Python stack
+    # to the worker's stderr before the process dies of it: the launcher's message points there
+    faulthandler.enable(all_threads=True)
     catch_early()
 
 import argparse
@@ -170,6 +175,9 @@ def run_under_torchrun(spec: RunSpec, resume_dir: str | None) -> TrainSummary:
     attempt chooses the directory and records it in the launcher's store, which outlives the
     workers, so that an attempt after a restart (--max-restarts) finds the same run with or
     without run.dir; whether it resumes is `run.resume`'s rule, as for every launcher."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # as a launched worker (see the top of this module)
     flag = install_flag(spec.failure.preempt_signals)
     ctx = _init(spec)
     clean = False

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shardwise.errors import SpecError, show
 
-KINDS = ("kill", "raise", "hang", "slow", "nan", "corrupt", "mismatch", "signal")
+KINDS = ("kill", "crash", "raise", "hang", "slow", "nan", "corrupt", "mismatch", "signal")
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "checkpoint-write")
 
 
