@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.planner import accuracy, comm, published, published_report, validate
+from shardwise.planner.bubble import rank_groups
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict
 from shardwise.planner.dispatch import distinct_groups, token_copies
@@ -21,6 +22,7 @@ from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.fitted import MOE_RATIOS
 from shardwise.planner.kernels import block_times
 from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.memory import rank_params
 from shardwise.planner.models import mla_attention, preset
 from shardwise.planner.params import CostParams
 from shardwise.planner.published_report import fitted_module
@@ -105,12 +107,8 @@ def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
     cluster = resolve_cluster("dgx-h100", nodes=8)
     params = CostParams(low_precision_params=True, grad_bytes=4)
     lo = Layout(dp_shard=16, zero=1, ep=8, pp=4, schedule="1f1b")
-    from shardwise.planner.bubble import rank_groups
-
     _, loads, _ = rank_groups(model, 4, 1, "1f1b", 4096, "none", 2, False)
     load = loads[0]
-    from shardwise.planner.memory import rank_params
-
     rp = rank_params(model, load, 1, 8)
     dense, experts = rp.linear + rp.other, rp.experts
     got = dp_comm(model, load, lo, 80, "bf16", cluster, params)
@@ -181,7 +179,9 @@ def test_a_deduplicating_dispatcher_sends_a_token_once_per_rank_and_node() -> No
 
 def test_dedup_cuts_the_network_share_of_expert_parallel() -> None:
     """The same layout over 8 nodes: the deduplicated dispatch moves fewer bytes across nodes
-    (network time down), and nothing changes on one node's NVLink for a uniform top-1."""
+    than the plain all-to-all, and fewer still when a token's experts are adjacent; the plain
+    all-to-all's network share is the members' share on other nodes, as before the dispatcher
+    existed."""
     model = preset("deepseek-v3")
     cluster = resolve_cluster("dgx-h100", nodes=32)
     lo = Layout(dp_shard=64, zero=2, ep=64, pp=4, v=8, schedule="interleaved-1f1b")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.planner import accuracy, published, validate
+from shardwise.planner import accuracy, figures, published, validate
 from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
 from shardwise.planner.dpcomm import fsdp_per_micro_batch
 from shardwise.planner.fitted import FITTED, HELD_OUT_RATIOS, SCORES
@@ -37,7 +37,7 @@ def test_the_reference_set_has_independent_sources_and_cites_every_row(refs) -> 
     for s in sources.values():
         assert s.title and s.where and s.url.startswith("https://") and s.notes
     for r in refs:
-        assert r.measured_kind in published.MEASURED_KINDS
+        assert r.measured_kind in figures.MEASURED_KINDS
         assert r.gpus == r.candidates[0].world
         assert 0.15 < r.measured_mfu < 0.70, r.id
 
@@ -51,7 +51,7 @@ def test_each_sources_figure_is_read_with_its_own_flop_formula(refs, run, peak, 
     """Turning the printed TFLOP/s into tokens/s and back with the source's formula gives the
     printed figure; shardwise's own MFU of the same run differs by the formulas' conventions."""
     r = next(x for x in refs if x.id == run)
-    formula = published.FLOP_FORMULAS[r.measured_kind]
+    formula = figures.FLOP_FORMULAS[r.measured_kind]
     back = r.measured_tokens_per_s * formula(r.model, r.batch.seq_len) / r.gpus / 1e12
     assert back == pytest.approx(printed)
     assert r.published_mfu == pytest.approx(printed / peak, abs=0.006)
@@ -87,7 +87,7 @@ def test_blooms_seconds_per_step_read_back_as_its_logged_tflops(refs, run, print
     the row's model shape, GPUs and batch: the shape and the conversion are the logged ones."""
     r = next(x for x in refs if x.id == run)
     assert r.measured_kind == "step_s"
-    tflops = (r.measured_tokens_per_s * published.megatron_sc21_flops_per_token(
+    tflops = (r.measured_tokens_per_s * figures.megatron_sc21_flops_per_token(
         r.model, r.batch.seq_len) / r.gpus / 1e12)
     assert tflops == pytest.approx(printed, rel=2e-3)
 
@@ -95,11 +95,11 @@ def test_blooms_seconds_per_step_read_back_as_its_logged_tflops(refs, run, print
 def test_the_flop_formulas_are_the_published_ones(refs) -> None:
     m = next(x for x in refs if x.id == "sc21-1t").model  # l 128, h 25600, V 51200, s 2048
     s, h, layers, v = 2048, 25600, 128, 51200
-    assert published.megatron_sc21_flops_per_token(m, s) == pytest.approx(
+    assert figures.megatron_sc21_flops_per_token(m, s) == pytest.approx(
         96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)))
     llama = next(x for x in refs if x.id.startswith("llama3")).model
     n = 126 * llama.layer_matmul_params("dense") + 128256 * 16384
-    assert published.palm_flops_per_token(llama, 8192) == pytest.approx(
+    assert figures.palm_flops_per_token(llama, 8192) == pytest.approx(
         6 * n + 12 * 126 * 128 * 128 * 8192)
 
 

@@ -113,11 +113,8 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
     ddp = lo.zero == 0
     # under expert parallel the routed experts' gradients and shards live on the expert-data-
     # parallel group (the dp ranks that hold the same experts: shard_experts), the rest on dp
-    parts = [(dense_p, g["dp"], lo.dp)]
-    if lo.ep > 1 and expert_p:
-        parts.append((expert_p, g["shard_experts"], ne))
-    else:
-        parts = [(dense_p + expert_p, g["dp"], lo.dp)]
+    parts = ([(dense_p, g["dp"], lo.dp), (expert_p, g["shard_experts"], ne)]
+             if lo.ep > 1 and expert_p else [(dense_p + expert_p, g["dp"], lo.dp)])
     t_red = red_bytes = t_ag = ag_bytes = 0.0
     shard = dense_p + expert_p
     for count, group, n in parts:

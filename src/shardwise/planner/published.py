@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from shardwise.errors import SpecError
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
+from shardwise.planner.figures import MEASURED_KINDS, tokens_per_s
 from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims, mla_attention
 from shardwise.planner.params_file import validate_params
@@ -96,54 +97,6 @@ class Reference:
         values: dict[str, Any] = {k: 0.0 for k in OVERHEAD_FIELDS}
         values.update(self.stack)  # checked and typed when loaded (`_stack`)
         return dataclasses.replace(base, **values)
-
-
-# --- what a source's throughput figure means ----------------------------------------------------
-
-def megatron_sc21_flops_per_token(m: ModelDims, s: int) -> float:
-    """Narayanan et al. (SC21) Eq. 3 per token: 96·l·h²·(1 + s/6h + V/16lh) (full recompute,
-    full-square attention)."""
-    h, layers, v = m.hidden, m.layers, m.vocab
-    return 96.0 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
-
-
-def megatron_core_flops_per_token(m: ModelDims, s: int) -> float:
-    """Megatron-Core's num_floating_point_operations (r0.8.0, megatron/training/training.py) per
-    token: 12·l·h²·((1 + g/a + s/h)·(a·d/h) + (f/h)·(3/2 if SwiGLU) + V/2lh)."""
-    h, layers = m.hidden, m.layers
-    a, g, d = m.heads, m.kv, m.hd
-    gate = 1.5 if m.gated else 1.0
-    attn = (1 + g / a + s / h) * (a * d / h)
-    return 12.0 * layers * h * h * (attn + (m.ffn / h) * gate + m.vocab / (2 * layers * h))
-
-
-def palm_flops_per_token(m: ModelDims, s: int) -> float:
-    """Chowdhery et al. (PaLM), appendix B: 6N + 12·L·H·Q·T (full-square attention)."""
-    return m.flop_counts(s).per_token(causal_halved=False)
-
-
-#: a TFLOP/s-per-GPU figure -> the source's FLOPs per token
-FLOP_FORMULAS = {
-    "tflops_megatron_sc21": megatron_sc21_flops_per_token,
-    "tflops_megatron_core": megatron_core_flops_per_token,
-    "tflops_palm": palm_flops_per_token,
-}
-#: a rate of tokens, sequences or steps -> the job's tokens/s (value, batch, GPUs): tokens/s of
-#: the whole job or per GPU (torchtitan's TPS/GPU), sequences/s, seconds per optimizer step
-RATE_KINDS: dict[str, Callable[[float, Batch, int], float]] = {
-    "tokens_per_s": lambda value, batch, gpus: value,
-    "tokens_per_s_per_gpu": lambda value, batch, gpus: value * gpus,
-    "samples_per_s": lambda value, batch, gpus: value * batch.seq_len,
-    "step_s": lambda value, batch, gpus: batch.tokens / value,
-}
-MEASURED_KINDS = (*FLOP_FORMULAS, *RATE_KINDS)
-
-
-def tokens_per_s(kind: str, value: float, model: ModelDims, batch: Batch, gpus: int) -> float:
-    """The job's tokens/s that a source's throughput figure implies (`MEASURED_KINDS`)."""
-    if kind in RATE_KINDS:
-        return RATE_KINDS[kind](value, batch, gpus)
-    return value * 1e12 * gpus / FLOP_FORMULAS[kind](model, batch.seq_len)
 
 
 # --- loading ---------------------------------------------------------------------------------------
