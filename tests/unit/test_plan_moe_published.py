@@ -128,6 +128,8 @@ def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
      ["[models.gpt-oss-120b]", "experts, top_k and expert_ffn", "expert_ffn missing"]),
     ("experts = 128\ntop_k = 4", "experts = 4\ntop_k = 8", ["top_k = 8 is more than the 4"]),
     ("dense_layers = 1", "dense_layers = 61", ["dense_layers = 61 leaves no MoE block"]),
+    ("expert_ffn = 2880", "expert_ffn = 2880\nffn = 11520",
+     ["[models.gpt-oss-120b]", "ffn = 11520 has no block to apply to", "Remove ffn"]),
     ("dense_layers = 3", "dense_layers = -1", ["dense_layers = -1 must be a whole number"]),
     ("v_head_dim = 128\nexperts = 256", "experts = 256",
      ["[models.deepseek-v3]", "latent attention needs v_head_dim"]),

@@ -146,6 +146,11 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
         raise SpecError(f"{where} does not set {', '.join(missing)}; a model states layers, "
                         "hidden, heads, ffn (the dense FFN width; an MoE model whose every block "
                         "routes may leave it out) and vocab.")
+    if moe and not moe["dense_layers"] and "ffn" in table:
+        raise SpecError(f"{where}: ffn = {table['ffn']!r} has no block to apply to: every block "
+                        "of this MoE model routes (dense_layers = 0), and its experts, shared "
+                        "ones included, are expert_ffn wide. Remove ffn, or state dense_layers "
+                        "for the leading dense blocks it sizes.")
     sizes = {k: _whole(table[k], k, where) for k in needed}
     if moe and moe["dense_layers"] >= sizes["layers"]:
         raise SpecError(f"{where}: dense_layers = {moe['dense_layers']} leaves no MoE block of "
