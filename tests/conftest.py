@@ -29,7 +29,23 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+#: tests rerun after a crash in native code (pyproject's `--reruns 1 --only-rerun`): "id: cause"
+RERUNS: list[str] = []
 
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note each rerun with the crash that caused it; with SHARDWISE_RERUN_LOG set (.ci/run)
+    also in that file, which the CI digest prints at the end."""
+    if report.outcome != "rerun":
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own message
+    cause = (getattr(crash, "message", "") or report.longreprtext).strip().splitlines()
+    entry = f"{report.nodeid}: {cause[0] if cause else '?'}"
+    RERUNS.append(entry)
+    log = os.environ.get("SHARDWISE_RERUN_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(entry + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -49,3 +65,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"rank pools: {len(ranks.STARTED)} started, {jobs} jobs; retired early: "
             + ("; ".join(f"world {w} after {n} jobs ({why})" for w, n, why in ranks.RETIRED)
                or "none"))
+    for entry in RERUNS:
+        terminalreporter.write_line(f"RERUN after a crash in native code: {entry}")

@@ -58,6 +58,15 @@ def _exit_rank_0(store: Any) -> int:
     return os.getpid()
 
 
+def _abort_rank_0_in_a_collective(store: Any) -> int:
+    """Rank 0 dies of SIGABRT (what glibc's heap checks raise) while rank 1 waits for it."""
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=2)
+    if int(os.environ["RANK"]) == 0:
+        os.abort()
+    dist.barrier()
+    return os.getpid()
+
+
 def _leave_thread(store: Any) -> int:
     threading.Thread(target=time.sleep, args=(30,), daemon=True, name="left-behind").start()
     return os.getpid()
@@ -101,10 +110,22 @@ def test_a_job_left_process_group_is_ended_and_the_ranks_retired():
 ])
 def test_a_spoiled_job_fails_and_the_next_runs_on_new_ranks(job, needle):
     pids = run_ranks(_pids, 2, timeout=60)
-    with pytest.raises(AssertionError, match=needle.replace("(", r"\(")):
+    with pytest.raises(AssertionError, match=needle.replace("(", r"\(")) as failure:
         run_ranks(job, 2, timeout=3)
+    assert not isinstance(failure.value, ranks.RankCrashed)  # not rerun as a native crash
     after = run_ranks(_pids, 2, timeout=60)
     assert not set(after) & set(pids)
+
+
+def test_a_rank_crash_is_named_with_the_jobs_before_it():
+    """A crash signal fails the job as RankCrashed (pyproject reruns such a test once), naming
+    the rank, the signal and the tests whose jobs these ranks ran before (memory one of them
+    corrupted may be what crashed). An ordinary exit stays an AssertionError (above)."""
+    run_ranks(_pids, 2, timeout=60)
+    with pytest.raises(ranks.RankCrashed, match="rank 0 died of SIGABRT") as crash:
+        run_ranks(_abort_rank_0_in_a_collective, 2, timeout=60)
+    assert "a crash in native code" in str(crash.value)
+    assert "test_a_rank_crash_is_named_with_the_jobs_before_it" in "".join(crash.value.__notes__)
 
 
 @pytest.mark.parametrize("job, reason", [

@@ -21,6 +21,7 @@ instead of hanging CI.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import itertools
 import multiprocessing as mp
 import os
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.parallel.distributed import forget_meshes
+from shardwise.run.agent import CRASH_SIGNALS
 
 #: how long a finished job waits for threads it started to end before the ranks count as dirty
 _THREAD_GRACE_S = 2.0
@@ -74,6 +76,7 @@ def _report(results: Any, key: Any, rank: int, fn: Callable[..., Any], store: An
 
 def _fresh_child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
                  results: Any, env: dict[str, str]) -> None:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's stack
     os.environ.update(env)
     os.environ.update(_rank_env(rank, world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -112,6 +115,9 @@ def _catchable_signals() -> list[signal.Signals]:
 
 def _serve(rank: int, world: int, port: int, jobs: Connection, results: Any) -> None:
     """A pooled rank: run jobs until the parent closes the pipe, each from a fresh rank's state."""
+    # a native crash (SIGSEGV, a heap check's SIGABRT) prints every thread's Python stack into
+    # the test's captured stderr; the failure message names the jobs this rank had run before
+    faulthandler.enable(all_threads=True)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     threads, seed = torch.get_num_threads(), torch.initial_seed()
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -194,6 +200,7 @@ class RankPool:
             self.procs.append(proc)
         self.jobs = 0
         self.leftovers: list[str] = []
+        self.history: list[str] = []  # the tests whose jobs these ranks ran, oldest first
 
     def run(self, key: int, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float,
             env: dict[str, str]) -> list[Any]:
@@ -203,7 +210,15 @@ class RankPool:
             pipe.send((key, fn, args, environ))
         self.jobs += 1
         early: dict[int, list[str]] = {}
-        out = _collect(self.results, key, self.procs, timeout, early)
+        try:
+            out = _collect(self.results, key, self.procs, timeout, early)
+        except AssertionError as err:
+            # memory corrupted by an earlier job can surface in a later one: name them
+            if any(p.exitcode is not None and p.exitcode < 0 for p in self.procs) and self.history:
+                err.add_note(f"these pooled ranks had run {len(self.history)} job(s) before, "
+                             f"the last: {'; '.join(self.history[-8:])}")
+            raise
+        self.history.append(os.environ.get("PYTEST_CURRENT_TEST", "?").removesuffix(" (call)"))
         self.leftovers = _collect_leftovers(self.results, key, self.procs, 30.0, early)
         return out
 
@@ -294,8 +309,34 @@ def _collect(results: Any, key: Any, procs: list[Any], timeout: float,
         else:
             errors.append(f"rank {rank} failed:\n{value}")
     if errors:
+        crashed = _crashed(procs, errors)
+        if crashed:
+            raise RankCrashed(f"{crashed} (a crash in native code; its stack is in the captured "
+                              "stderr, from the \"Fatal Python error\" line)\n" + "\n".join(errors))
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world)]
+
+
+class RankCrashed(AssertionError):
+    """A rank died of a crash signal (SIGSEGV, SIGABRT, ...) while the job ran: a fault in
+    native code, not an assertion of the test (tests/README.md: how CI treats it)."""
+
+
+#: the signals of a crash, as `run.agent` names them for launched workers
+_CRASH_SIGNALS = tuple(getattr(signal, name) for name in CRASH_SIGNALS)
+
+
+def _crashed(procs: list[Any], errors: list[str]) -> str:
+    """"rank R died of SIGNAL" for each rank that died of a crash signal, or "". A peer's
+    "Connection closed/reset by peer" is often reported before the crashed rank is reaped: give
+    it a moment then."""
+    deadline = time.monotonic() + (5.0 if any("by peer" in e for e in errors) else 0.0)
+    while True:
+        dead = [(r, signal.Signals(-p.exitcode).name) for r, p in enumerate(procs)
+                if p.exitcode is not None and -p.exitcode in _CRASH_SIGNALS]
+        if dead or time.monotonic() >= deadline:
+            return ", ".join(f"rank {r} died of {name}" for r, name in dead)
+        time.sleep(0.1)
 
 
 def _collect_leftovers(results: Any, key: Any, procs: list[Any], timeout: float,
