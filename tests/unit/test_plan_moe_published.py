@@ -223,6 +223,24 @@ def test_latent_attentions_projections_cost_its_own_weights() -> None:
     assert spent * chip.peak == pytest.approx(saved / chip.gemm, rel=0.25)
 
 
+@pytest.mark.parametrize("tp, sp", [(1, False), (4, False), (4, True)])
+def test_an_moe_block_moves_its_routed_tokens_permutation(tp, sp) -> None:
+    """An MoE block's memory-bound time holds the dispatcher's permutation: (3 top_k + 1) x h
+    elements a token forward (gathered into expert order, read back and combined), twice that
+    backward; spread over tensor-parallel ranks only under sequence parallelism."""
+    model = preset("deepseek-v3")
+    chip = chip_for(resolve_cluster("dgx-h100", nodes=1), Batch(8, 4096), CostParams())
+    assert chip is not None
+    moe = block_times(model, "moe", 1, 4096, tp, 1, sp, 2, 2, True, False, False, chip)
+    # the same block with one routed expert a token and its shared width in place of the rest:
+    # the same activation bytes, so the difference is the permutation's top_k - 1 copies alone
+    one = dataclasses.replace(model, top_k=1, shared_experts=model.shared_experts + model.top_k - 1)
+    base = block_times(one, "moe", 1, 4096, tp, 1, sp, 2, 2, True, False, False, chip)
+    extra = 4096 * 3 * (model.top_k - 1) * 2 * model.hidden / (tp if sp else 1)
+    assert (moe.forward.memory - base.forward.memory) * chip.hbm == pytest.approx(extra)
+    assert moe.backward.memory == pytest.approx(2 * moe.forward.memory)
+
+
 def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:
     """`shardwise plan --model config.json` of an MoE model carries the band of the published
     MoE runs, and says so under the table; a dense model's stays the dense runs'."""

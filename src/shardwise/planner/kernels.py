@@ -20,9 +20,15 @@ class is timed by what bounds it:
   residual (r bytes an element) and writes its output (q bytes); each residual add reads the
   branch output (q) and the residual (r) and writes the residual (r), plus a one-byte mask under
   dropout; the activation reads its inputs and writes its output (SwiGLU 3 x ffn elements, GeLU
-  2 x ffn). Backward reads the output gradient and the saved input and writes the input gradient
-  of each: twice the forward's bytes. Without sequence parallelism every tensor-parallel rank does
-  the h-wide part in full (redundantly); with it, 1/tp.
+  2 x ffn). An MoE block also permutes its routed tokens, as every token dispatcher does around
+  its grouped expert GEMMs (Megatron-Core's `permute` / `unpermute`): each token's top_k copies
+  gathered into expert order (read and write top_k x h) and, after the experts, read back,
+  weighted by their router probabilities and summed into one (top_k x h read, h written):
+  (3 top_k + 1) x h elements a token, the least any dispatcher moves (a second sort by local
+  expert after an all-to-all is not counted). Backward reads the output gradient and the saved
+  input and writes the input gradient of each: twice the forward's bytes. Without sequence
+  parallelism every tensor-parallel rank does the h-wide part in full (redundantly); with it,
+  1/tp.
 - **Optimizer step**: AdamW reads and writes the fp32 master, both moments, and reads the gradient
   (and writes the low-precision copy when the parameters are held in it), once per step over the
   rank's optimizer shard: bytes / HBM bandwidth.
@@ -165,6 +171,8 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
         fwd_g, bwd_g, last_fwd = fwd_g + f, bwd_g + b, f
     att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
     wide = 2 * (r + q) + 2 * (q + 2 * r + (1 if dropout else 0))  # norms, residual adds
+    if kind == "moe":
+        wide += (3 * model.top_k + 1) * q  # the routed tokens' permutation (module docstring)
     narrow = (3 if model.gated else 2) * q  # the activation, per ffn element
     fwd_bytes = tokens * (wide * h / (tp if sp else 1) + narrow * ffn_elems)
     fwd_m = memory_time(fwd_bytes, chip)
