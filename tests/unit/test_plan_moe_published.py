@@ -16,13 +16,13 @@ import pytest
 from shardwise.planner import accuracy, comm, published, published_report, validate
 from shardwise.planner.bubble import rank_groups
 from shardwise.planner.cluster import resolve_cluster
-from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict
+from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict, predict_memory
 from shardwise.planner.dispatch import distinct_groups, token_copies
 from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.fitted import MOE_RATIOS
 from shardwise.planner.kernels import block_times
 from shardwise.planner.layout import Batch, Layout
-from shardwise.planner.memory import rank_params
+from shardwise.planner.memory import rank_params, state_lower_bound
 from shardwise.planner.models import mla_attention, preset
 from shardwise.planner.params import CostParams
 from shardwise.planner.published_report import fitted_module
@@ -53,6 +53,44 @@ def test_moe_models_load_with_their_experts_and_latent_attention(rows) -> None:
     kimi = by["kimi-k2"]
     assert kimi.params == pytest.approx(1.0e12, rel=0.03)  # its model card: 1 T, 32 B activated
     assert kimi.active_params == pytest.approx(32e9, rel=0.03)
+
+
+def test_every_published_moe_layout_is_predicted_to_fit(rows) -> None:
+    """They ran. AutoModel's rows fit once its precision is stated: the whole model in bf16
+    (parameters, gradients, Adam's moments; no fp32 master), experts outside FSDP where
+    expert parallel covers data parallel."""
+    for r in rows:
+        mem, _ = predict_memory(r.candidates[0], r.model, r.batch, r.params(CostParams()),
+                                r.cluster.cluster.device)
+        assert mem.total <= r.cluster.memory_bytes, (r.id, mem.total / 2**30)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("ep", [8, 2])
+def test_state_in_the_compute_dtype_holds_two_bytes_an_element(zero, ep) -> None:
+    """With `state_in_compute_dtype` a parameter, its gradient (grad_bytes 2) and each AdamW
+    moment take 2 bytes under bf16 (shardwise's fp32 parameters and moments: 4 each; no master
+    either way). Experts that expert parallel alone spreads (ep = dp) get no FSDP copy. The
+    search's lower bound stays below every prediction."""
+    model = preset("deepseek-v3")
+    batch = Batch(1024, 4096)
+    fp32 = CostParams()
+    low = dataclasses.replace(fp32, state_in_compute_dtype=True, grad_bytes=2)
+    lo = Layout(dp_shard=8, ep=ep, pp=1, zero=zero, micro_batch=1)
+    a, _ = predict_memory(lo, model, batch, fp32)
+    b, _ = predict_memory(lo, model, batch, low)
+    assert b.params == pytest.approx(a.params / 2)
+    assert b.optimizer == pytest.approx(a.optimizer / (3 if zero == 1 else 2))  # 4 of 12 / 8
+    assert b.grads == pytest.approx(a.grads / 2)
+    if zero >= 2:
+        held = rank_params(model, rank_groups(model, 1, 1, "none", 4096, "none", 1, False)[1][0],
+                           1, ep).experts
+        saved = a.gathered_params - b.gathered_params
+        assert saved > 0 if ep == 8 and zero == 2 else saved >= 0
+        if ep == 8 and zero == 2:  # the experts' bf16 copy and fp32 non-matmul gathers
+            assert saved >= 2 * held
+    for params, mem in ((fp32, a), (low, b)):
+        assert state_lower_bound(model, lo, batch, params) <= mem.total
 
 
 def test_every_moe_row_is_expert_parallel_inside_data_parallel(rows) -> None:

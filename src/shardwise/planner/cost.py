@@ -364,7 +364,8 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
             if ctx.overlaps(how) else dc.param_gather
     if ctx.chip is not None:
         out["optimizer"] = optimizer_time(dc.shard_params, p.grad_bytes, p.low_precision_params,
-                                          ctx.chip)
+                                          ctx.chip, p.state_in_compute_dtype,
+                                          compute_bytes(ctx.batch.precision))
     window = t_comp * 2 / 3 if overlapped else 0.0
     return out, (dc.sync, window, overlapped and lo.pp > 1)
 

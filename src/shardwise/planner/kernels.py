@@ -233,9 +233,11 @@ def embedding_time(model: ModelDims, micro_batch: int, seq_len: int, cp: int, q:
 
 
 def optimizer_time(params_on_rank: float, grad_bytes: int, low_precision_params: bool,
-                   chip: Chip) -> float:
+                   chip: Chip, state_in_compute_dtype: bool = False, q: int = 2) -> float:
     """AdamW over the rank's optimizer shard: master, both moments read and written (24 bytes),
     the gradient read for the norm, the update and its zeroing (3 x grad_bytes), and the
-    low-precision parameter copy written (2) when parameters are held in it."""
-    per_param = 24 + 3 * grad_bytes + (2 if low_precision_params else 0)
-    return memory_time(params_on_rank * per_param, chip)
+    low-precision parameter copy written (2) when parameters are held in it. With the state in
+    the compute dtype (`CostParams.state_in_compute_dtype`, `q` bytes an element) the parameter
+    and both moments are read and written in it: 6q."""
+    state = 6 * q if state_in_compute_dtype else 24 + (2 if low_precision_params else 0)
+    return memory_time(params_on_rank * (state + 3 * grad_bytes), chip)

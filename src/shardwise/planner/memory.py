@@ -30,7 +30,11 @@ With `CostParams.low_precision_params` (Megatron's policy, for published runs) Z
 parameters in the compute dtype (q bytes), the gradients in a main-grad buffer of
 `CostParams.grad_bytes` accumulated in place, and the fp32 master with both moments in the
 optimizer: q + grad_bytes + 12 bytes a parameter, the 12 divided by N under ZeRO-1 (the
-distributed optimizer). `grad_bytes` (default 4) sizes every gradient term.
+distributed optimizer). With `CostParams.state_in_compute_dtype` (NeMo AutoModel: the whole
+model cast to bf16, torch's Adam moments in their parameters' dtype) there is no master at all:
+parameters, gathered non-matmul weights and both moments take q bytes an element, and experts
+that expert parallel alone spreads (ep = dp·cp: FSDP leaves them out) have no gathered copy.
+`grad_bytes` (default 4) sizes every gradient term.
 
 Buffers: DDP runs with `gradient_as_bucket_view=True` (`parallel/data_parallel.py`), so its
 communication buckets *are* the gradients and add nothing (an earlier version of this model added
@@ -240,13 +244,16 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
     accumulate = lo.micro_batches(batch) > 1
     buffers = 0.0
     g_bytes = params.grad_bytes
-    if lo.zero <= 1 and params.low_precision_params:
+    low = params.state_in_compute_dtype  # no fp32 master, moments in the compute dtype
+    moments = 2 * q if low else 8
+    if lo.zero <= 1 and (params.low_precision_params or low):
         # Megatron: parameters in the compute dtype, gradients in a contiguous main-grad buffer
-        # (accumulated in place), fp32 master + both moments in the (distributed) optimizer
+        # (accumulated in place), fp32 master + both moments in the (distributed) optimizer;
+        # with the state in the compute dtype, no master and low-precision moments
         p_bytes = q * full
         gathered = 0.0
         grads = grads_step = g_bytes * full
-        opt = 12 * (full if lo.zero == 0 else shard)
+        opt = (moments if low else 12) * (full if lo.zero == 0 else shard)
         optimized = full if lo.zero == 0 else shard
     elif lo.zero <= 1:
         p_bytes = 4 * full
@@ -262,21 +269,25 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         elif lo.dp > 1 and accumulate:  # no_sync: gradients grow beside DDP's (kept) buckets
             buffers += g_bytes * full
     else:
-        p_bytes = 4 * shard
+        p_bytes = (q if low else 4) * shard
+        # experts that expert parallel alone spreads (ne = 1) are not FSDP's: used where they are
+        # held, with no gathered copy when that is already in the compute dtype
+        experts = 0.0 if low and ne == 1 else rp.experts
         if lo.zero == 2 or lo.pp > 1 or load.blocks <= 2:
-            lin, oth = rp.linear + rp.experts, rp.other
+            lin, oth = rp.linear + experts, rp.other
         else:
             # the two largest blocks (never more than all of them: one MoE block can outweigh
             # every dense block together) and the root
-            lin = min(2 * rp.block_linear, rp.linear + rp.experts)
+            lin = min(2 * rp.block_linear, rp.linear + experts)
             oth = min(2 * rp.block_other + rp.root, rp.other)
-        gathered = gather_linear * lin + 4 * oth + (2 * lin if batch.precision == "fp16" else 0)
+        gathered = gather_linear * lin + (q if low else 4) * oth \
+            + (2 * lin if batch.precision == "fp16" else 0)
         grads_step = g_bytes * shard
         # shardwise skips the reduction until the last micro-batch (unsharded accumulation);
         # FSDP that reduce-scatters every micro-batch accumulates the shards
         grads = g_bytes * full if accumulate and not params.reduce_every_micro_batch \
             else grads_step
-        opt = 8 * shard
+        opt = moments * shard
         optimized = shard
         # one unit's staging at a time: in forward its flat all-gather output and input copy,
         # in backward its unsharded fp32 gradient on the way into the reduce-scatter. Without
@@ -334,9 +345,10 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
                            grads_at_step=grads_step, workspace=workspace)
 
 
-def state_lower_bound(model: ModelDims, layout: Layout, batch: Batch) -> float:
+def state_lower_bound(model: ModelDims, layout: Layout, batch: Batch, params) -> float:
     """Bytes of parameters + optimizer state per rank that no schedule, micro-batch or recompute
-    choice can avoid (an even pipeline split, no gathered copies): for early pruning."""
+    choice can avoid (an even pipeline split, no gathered copies): for early pruning. (`params`:
+    a `shardwise.planner.cost.CostParams`.)"""
     total = model.params
     experts = 0.0
     if not model.opaque and model.moe:
@@ -346,8 +358,14 @@ def state_lower_bound(model: ModelDims, layout: Layout, batch: Batch) -> float:
     exp = experts / (layout.ep * tp) / layout.pp
     nd = layout.dp_shard * layout.cp
     ne = max(1, nd // layout.ep)
+    # the least of every precision policy: parameters in the compute dtype, gradients of
+    # `grad_bytes`, moments in the compute dtype where the stack says so
+    q, g = compute_bytes(batch.precision), params.grad_bytes
+    low = params.state_in_compute_dtype
+    keep = q if (low or params.low_precision_params) else 4
+    moments = 2 * q if low else 8
     if layout.zero <= 1:
-        opt = 8 if layout.zero == 0 else 12 / nd
-        return (4 + 4) * (dense + exp) + opt * (dense + exp)
-    grads = 4 * (dense + exp) if layout.micro_batches(batch) > 1 else 4 * (dense / nd + exp / ne)
-    return 12 * (dense / nd + exp / ne) + grads
+        opt = moments if layout.zero == 0 else (moments if low else 12) / nd
+        return (keep + g) * (dense + exp) + opt * (dense + exp)
+    grads = g * (dense + exp) if layout.micro_batches(batch) > 1 else g * (dense / nd + exp / ne)
+    return (keep + moments) * (dense / nd + exp / ne) + grads

@@ -81,6 +81,11 @@ class CostParams:
     # Parameters held in the compute dtype with fp32 masters in the optimizer (Megatron); False:
     # fp32 parameters that are their own masters (shardwise, docs/precision.md).
     low_precision_params: bool = False
+    # Every copy of a parameter's state in the compute dtype: the parameters themselves, with no
+    # fp32 master anywhere, and both AdamW moments (NeMo AutoModel's MoE recipes cast the whole
+    # model to bf16, and torch's Adam keeps its moments in the parameters' dtype); state its
+    # gradients' bytes in `grad_bytes`. False: fp32 masters and moments.
+    state_in_compute_dtype: bool = False
     # Bytes per gradient element kept and reduced (fp32: 4; Megatron's fp16 runs: 2).
     grad_bytes: int = 4
     # Recompute reruns a block's whole forward (Megatron); False: torch's checkpoint stops

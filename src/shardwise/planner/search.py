@@ -198,7 +198,7 @@ def search(model: ModelDims, cluster: ClusterSpec, batch: Batch,
     for base in degree_choices(model, cluster, batch, space, pruned):
         sizes = _micro_batches(base, batch, space)
         smallest = dataclasses.replace(base, micro_batch=sizes[-1] if sizes else 1)
-        bound = state_lower_bound(model, smallest, batch)
+        bound = state_lower_bound(model, smallest, batch, params)
         if bound > capacity:
             pruned["model state alone exceeds the device"] += 1
             near = (-bound, next(tie), base)
@@ -251,7 +251,7 @@ def any_fits(model: ModelDims, cluster: ClusterSpec, batch: Batch,
     for base in degree_choices(model, cluster, batch, space, pruned):
         sizes = _micro_batches(base, batch, space)
         if not sizes or state_lower_bound(model, dataclasses.replace(base, micro_batch=sizes[-1]),
-                                          batch) > capacity:
+                                          batch, params) > capacity:
             continue
         recompute = space.recompute[-1] if model.supports_recompute and not model.opaque else "none"
         for schedule, v in _schedules(base.pp, model, space):
