@@ -111,6 +111,7 @@ from functools import lru_cache
 from shardwise.planner.bubble import RankLoad
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.models import ModelDims
+from shardwise.planner.params import CostParams
 
 
 def compute_bytes(precision: str) -> int:
@@ -228,10 +229,9 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
 
 
 def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
-                inflight: float, params, device: str = "cuda") -> MemoryBreakdown:
-    """Peak bytes on one pipeline rank (`params`: a `shardwise.planner.cost.CostParams`) of a
-    `device` ("cuda" or "cpu": the optimizer's workspace, the allocator's fragmentation and the
-    runtime's overhead differ)."""
+                inflight: float, params: CostParams, device: str = "cuda") -> MemoryBreakdown:
+    """Peak bytes on one pipeline rank of a `device` ("cuda" or "cpu": the optimizer's
+    workspace, the allocator's fragmentation and the runtime's overhead differ)."""
     lo = layout
     q = compute_bytes(batch.precision)
     gather_linear = 2 if batch.precision == "bf16" else 4
@@ -345,10 +345,11 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
                            grads_at_step=grads_step, workspace=workspace)
 
 
-def state_lower_bound(model: ModelDims, layout: Layout, batch: Batch, params) -> float:
+def state_lower_bound(model: ModelDims, layout: Layout, batch: Batch,
+                      params: CostParams) -> float:
     """Bytes of parameters + optimizer state per rank that no schedule, micro-batch or recompute
-    choice can avoid (an even pipeline split, no gathered copies): for early pruning. (`params`:
-    a `shardwise.planner.cost.CostParams`.)"""
+    choice can avoid (an even pipeline split, no gathered copies) under `params`' precision
+    policy: for early pruning."""
     total = model.params
     experts = 0.0
     if not model.opaque and model.moe:
