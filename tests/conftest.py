@@ -29,8 +29,25 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-#: tests rerun after a crash in native code (pyproject's `--reruns 1 --only-rerun`): "id: cause"
+#: the one failure a test is rerun for (tests/README.md, "A crash in native code"): the phrase
+#: both `RankCrashed` and the launcher's message for a launched worker carry
+CRASH_PHRASE = "crash in native code"
+
+#: tests rerun after such a crash: "id: cause"
 RERUNS: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Rerun a test once after a crash in native code, and for nothing else, where
+    pytest-rerunfailures (the `[dev]` extra) is installed: set here rather than in pyproject's
+    addopts so that pytest without the plugin still runs (without reruns). A `--reruns` or
+    `--only-rerun` given on the command line wins."""
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    if config.getoption("reruns", None) is None:
+        config.option.reruns = 1
+    if not config.getoption("only_rerun", None):
+        config.option.only_rerun = [CRASH_PHRASE]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
