@@ -20,7 +20,7 @@ from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict, predict_me
 from shardwise.planner.dispatch import distinct_groups, token_copies
 from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.fitted import MOE_RATIOS
-from shardwise.planner.kernels import block_times
+from shardwise.planner.kernels import block_times, linear_times
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.memory import rank_params, state_lower_bound
 from shardwise.planner.models import mla_attention, preset
@@ -277,6 +277,35 @@ def test_an_moe_block_moves_its_routed_tokens_permutation(tp, sp) -> None:
     extra = 4096 * 3 * (model.top_k - 1) * 2 * model.hidden / (tp if sp else 1)
     assert (moe.forward.memory - base.forward.memory) * chip.hbm == pytest.approx(extra)
     assert moe.backward.memory == pytest.approx(2 * moe.forward.memory)
+
+
+def test_routed_experts_are_grouped_gemms_of_their_own_rows() -> None:
+    """The routed experts run as one grouped GEMM over the rank's local experts, each seeing
+    tokens x top_k x ep / experts rows: with wave quantisation off, exactly `local` times one
+    expert's GEMMs, whose weight gradient reduces over that expert's rows only (a GEMM of all
+    the routed rows at once would reduce over `local` times as many, at a smaller fixed cost)."""
+    model = preset("deepseek-v3")
+    cluster = resolve_cluster("dgx-h100", nodes=1)
+    chip = chip_for(cluster, Batch(8, 4096), CostParams())
+    assert chip is not None
+    flat = dataclasses.replace(chip, sms=0, hbm=0.0)
+    tokens, ep = 4096, 8
+    local = model.experts // ep
+    rows = tokens * model.top_k * ep // model.experts
+    h, w = model.hidden, model.expert_ffn
+    moe = block_times(model, "moe", 1, tokens, 1, 1, False, 2, 2, True, False, False, flat, ep)
+    one_group = block_times(model, "moe", 1, tokens, 1, 1, False, 2, 2, True, False, False,
+                             flat, model.experts)  # one expert a rank: one group
+    one_up = linear_times(rows, h, 2 * w, flat, 2)
+    one_down = linear_times(rows, w, h, flat, 2)
+    expected_bwd = local * (one_up[1] + one_down[1])
+    rows_one = tokens * model.top_k  # ep = experts: every routed row on its one expert
+    other = linear_times(rows_one, h, 2 * w, flat, 2)[1] + linear_times(rows_one, w, h, flat, 2)[1]
+    assert moe.backward.gemm - one_group.backward.gemm == pytest.approx(expected_bwd - other)
+    # grouped == the sum of its groups when nothing is quantised
+    assert linear_times(rows, h, 2 * w, flat, 2, local)[1] == pytest.approx(local * one_up[1])
+    # and the weight gradient of small groups costs more than one GEMM of all their rows
+    assert linear_times(64, h, 2 * w, flat, 2, 64)[1] > linear_times(64 * 64, h, 2 * w, flat, 2)[1]
 
 
 def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:

@@ -65,14 +65,15 @@ def dp_comm(model: ModelDims, load: RankLoad, lo: Layout, m: int, precision: str
     return _dp_comm(model, load, lo.zero, lo.dp_shard, lo.dp_replicate, lo.tp, lo.cp, lo.ep,
                     lo.pp, lo.order, m, precision, cluster, p.bandwidth_efficiency,
                     p.collective_latency_s, p.grad_bytes, p.low_precision_params,
-                    p.reduce_every_micro_batch)
+                    p.reduce_every_micro_batch, p.state_in_compute_dtype)
 
 
 @lru_cache(maxsize=65536)
 def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_replicate: int,
              tp: int, cp: int, ep: int, pp: int, order: str, m: int, precision: str,
              cluster: ClusterSpec, bandwidth_efficiency: float, latency: float, gb: int,
-             low_precision_params: bool, reduce_every_micro_batch: bool) -> DpComm:
+             low_precision_params: bool, reduce_every_micro_batch: bool,
+             state_in_compute_dtype: bool = False) -> DpComm:
     lo = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, tp=tp, cp=cp, ep=ep,
                 pp=pp, order=order)
     g, _ = comm.mesh_groups(tp, cp, dp_shard, dp_replicate, pp, ep, order, cluster,
@@ -83,7 +84,10 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
     dense_p, expert_p = rp.linear + rp.other, rp.experts
     if lo.zero >= 2:
         gather_linear = 2 if precision == "bf16" else 4
-        gather = gather_linear * rp.linear + 4 * rp.other
+        # FSDP gathers what it holds: the non-matmul weights in fp32, or in the compute dtype
+        # when the whole model is (`CostParams.state_in_compute_dtype`)
+        gather_other = compute_bytes(precision) if state_in_compute_dtype else 4
+        gather = gather_linear * rp.linear + gather_other * rp.other
         gathers = fsdp_gathers(lo, m)
         # FSDP gathers (and reduce-scatters) unit by unit: one collective's latency per unit
         units = fsdp_units(model, load, precision)

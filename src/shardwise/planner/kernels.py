@@ -10,7 +10,11 @@ class is timed by what bounds it:
   k / (k + k_half) (a tile's fixed prologue and epilogue against its k-loop) x the wave
   quantisation of its 128 x 128 output tiles over the SMs (NVIDIA, "Matrix Multiplication
   Background User's Guide": tile and wave quantisation); never faster than reading its operands
-  from HBM.
+  from HBM. An MoE block's routed experts are grouped GEMMs (Megatron-Core's and TE's grouped
+  GEMM, one kernel over the rank's experts / ep local experts): each expert sees its own tokens x
+  top_k x ep / experts rows, its weight gradient reduces over those rows only, and the groups'
+  tiles share the waves. (An earlier version timed them as one GEMM of all the routed rows: one
+  weight's gradient, whose output of k x n tiles left most of an H100 idle.)
 - **Attention**: fused (FlashAttention-style) kernels skip the masked half of a causal square and
   run forward (2 matmuls) and backward (5) at the generation's attention efficiency; unfused
   attention runs its score and value matmuls as batched GEMMs over the full square and moves the
@@ -124,11 +128,14 @@ def gemm_time(m: int, n: int, k: int, chip: Chip, operand_bytes: int = 2, batch:
     return max(compute, moved)
 
 
-def linear_times(tokens: int, k: int, n: int, chip: Chip, q: int) -> tuple[float, float]:
+def linear_times(tokens: int, k: int, n: int, chip: Chip, q: int,
+                 groups: int = 1) -> tuple[float, float]:
     """(forward, backward) of one linear layer of a k x n weight over `tokens` rows: backward is
-    the input gradient (tokens x n @ n x k) and the weight gradient (k x tokens @ tokens x n)."""
-    fwd = gemm_time(tokens, n, k, chip, q)
-    bwd = gemm_time(tokens, k, n, chip, q) + gemm_time(k, n, tokens, chip, q)
+    the input gradient (tokens x n @ n x k) and the weight gradient (k x tokens @ tokens x n).
+    `groups` > 1: a grouped GEMM of that many such weights (the local experts), `tokens` rows
+    each, launched as one kernel; each weight gradient reduces over its own `tokens` only."""
+    fwd = gemm_time(tokens, n, k, chip, q, groups)
+    bwd = gemm_time(tokens, k, n, chip, q, groups) + gemm_time(k, n, tokens, chip, q, groups)
     return fwd, bwd
 
 
@@ -139,35 +146,42 @@ def memory_time(nbytes: float, chip: Chip) -> float:
 @lru_cache(maxsize=16384)
 def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp: int, cp: int,
                 sp: bool, q: int, residual_bytes: int, fused: bool, dropout: bool,
-                whole_block_recompute: bool, chip: Chip) -> BlockTimes:
-    """One block of `kind` ("dense" or "moe") on one rank, for one micro-batch."""
+                whole_block_recompute: bool, chip: Chip, ep: int = 1) -> BlockTimes:
+    """One block of `kind` ("dense" or "moe", its routed experts spread over `ep` ranks) on one
+    rank, for one micro-batch."""
     tokens = micro_batch * seq_len // cp
     h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
     r = max(q, residual_bytes)
-    # projections: (k, n) per rank, with the tokens each sees; attention whose weights are not
-    # GQA's formula (MLA: `ModelDims.attn_params`) as one GEMM of its weights from the hidden
-    # size (its FLOPs exact; its low-rank GEMMs' shapes not)
+    # projections: (rows, k, n, groups) per rank, with the tokens each sees; attention whose
+    # weights are not GQA's formula (MLA: `ModelDims.attn_params`) as one GEMM of its weights
+    # from the hidden size (its FLOPs exact; its low-rank GEMMs' shapes not)
+    mats: list[tuple[int, int, int, int]]
     if model.attn_params:
-        mats = [(tokens, h, max(model.attn_params // (h * tp), 1))]
+        mats = [(tokens, h, max(model.attn_params // (h * tp), 1), 1)]
     else:
-        mats = [(tokens, h, (a + 2 * kv) * hd // tp), (tokens, a * hd // tp, h)]
+        mats = [(tokens, h, (a + 2 * kv) * hd // tp, 1), (tokens, a * hd // tp, h, 1)]
     if kind == "moe":
-        routed = tokens * model.top_k
         width = model.expert_ffn // tp
         up = width * (2 if model.gated else 1)
-        mats += [(tokens, h, model.experts)]  # router
-        for n_tok in (routed, tokens * model.shared_experts):
-            if n_tok:
-                mats += [(n_tok, h, up), (n_tok, width, h)]
+        mats += [(tokens, h, model.experts, 1)]  # router
+        # the routed experts as grouped GEMMs over the rank's local experts: the ep ranks' top_k
+        # copies of their tokens, spread evenly, so each expert's GEMMs see tokens x top_k x ep /
+        # experts rows (and its weight gradient reduces over only those)
+        local = max(model.experts // ep, 1)
+        per_expert = max(tokens * model.top_k * ep // model.experts, 1)
+        mats += [(per_expert, h, up, local), (per_expert, width, h, local)]
+        shared = tokens * model.shared_experts
+        if shared:
+            mats += [(shared, h, up, 1), (shared, width, h, 1)]
         ffn_elems = (model.top_k + model.shared_experts) * width
     else:
         width = model.ffn // tp
-        mats += [(tokens, h, width * (2 if model.gated else 1)), (tokens, width, h)]
+        mats += [(tokens, h, width * (2 if model.gated else 1), 1), (tokens, width, h, 1)]
         ffn_elems = width
     fwd_g = bwd_g = 0.0
     last_fwd = 0.0
-    for n_tok, k, n in mats:
-        f, b = linear_times(n_tok, k, n, chip, q)
+    for n_tok, k, n, groups in mats:
+        f, b = linear_times(n_tok, k, n, chip, q, groups)
         fwd_g, bwd_g, last_fwd = fwd_g + f, bwd_g + b, f
     att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
     wide = 2 * (r + q) + 2 * (q + 2 * r + (1 if dropout else 0))  # norms, residual adds

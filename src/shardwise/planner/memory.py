@@ -293,7 +293,8 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         # in backward its unsharded fp32 gradient on the way into the reduce-scatter. Without
         # accumulation no gradient exists in forward (zero_grad sets them to None), so the
         # forward staging competes with the gradient shards, not with them added.
-        unit_gather = (gather_linear * rp.block_linear + 4 * rp.block_other) * (1 + 1 / nd)
+        unit_gather = (gather_linear * rp.block_linear + (q if low else 4) * rp.block_other) \
+            * (1 + 1 / nd)
         unit_reduce = 4 * (rp.block_linear + rp.block_other)
         unsharded = accumulate and not params.reduce_every_micro_batch
         buffers += max(unit_gather - (0 if unsharded else grads), unit_reduce)
