@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 from shardwise.cli.main import main
 from shardwise.errors import SpecError
 from shardwise.planner import comm
-from shardwise.planner.bubble import RankLoad, bubble_slots, in_flight, layer_split, rank_loads
+from shardwise.planner.bubble import (
+    RankLoad,
+    bubble_slots,
+    forwards_first,
+    in_flight,
+    layer_split,
+    rank_loads,
+)
 from shardwise.planner.cluster import PRESETS as CLUSTERS
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import OVERHEAD_FIELDS, CostParams, predict, predict_memory
@@ -363,6 +370,45 @@ def test_the_head_holds_one_micro_batch_unless_gpipe() -> None:
     gpipe = Layout(pp=2, schedule="gpipe")
     logits = 1024 * model.vocab * 4  # one more micro-batch's fp32 log-softmax
     assert growth(gpipe, last) > growth(gpipe, middle) + logits
+
+
+def test_an_interleaved_rank_that_runs_every_forward_first_meets_its_gradients_chunk_by_chunk(
+) -> None:
+    """Interleaved 1F1B in one round (m = pp = 16, v = 8): the front ranks run all 128 chunk
+    forwards before their first backward, so FSDP's unsharded fp32 gradients (created by
+    backward) meet every activation for the first chunk only, or the last chunk's activations
+    for all of them, whichever is more; in a second round (m = 32) or a steady phase they are
+    held together."""
+    assert forwards_first("interleaved-1f1b", 16, 8, 16, 1)
+    assert not forwards_first("interleaved-1f1b", 16, 8, 16, 15)  # warmup 112 + 1 < 128
+    assert not forwards_first("interleaved-1f1b", 16, 8, 32, 1)
+    assert not forwards_first("1f1b", 16, 1, 16, 0)
+    assert not forwards_first("interleaved-1f1b", 1, 8, 16, 0)
+    model = preset("llama3-405b")
+    lo = Layout(dp_shard=128, zero=2, tp=8, sequence_parallel=True, pp=16, v=8,
+                schedule="interleaved-1f1b", order="tp-cp-pp-dp")
+    batch = Batch(global_batch=2048, seq_len=8192, precision="bf16")
+    load = RankLoad(dense=8, moe=0, ck_dense=0, ck_moe=0, first=False, last=False)
+    together = rank_memory(lo, model, batch, load, 16.0, CostParams())
+    first = rank_memory(lo, model, batch, load, 16.0, CostParams(), grad_chunks=8)
+    assert together.activations > together.grads > 0
+    assert first.activations == together.activations
+    assert first.grads == pytest.approx(together.grads / 8)
+    # little activation (one micro-batch in flight): the other end, all gradients
+    few = rank_memory(lo, model, batch, load, 0.05, CostParams(), grad_chunks=8)
+    few_together = rank_memory(lo, model, batch, load, 0.05, CostParams())
+    assert few.grads == few_together.grads
+    assert few.activations == pytest.approx(few_together.activations / 8)
+    # a persistent gradient buffer (ZeRO-1 here) is held throughout
+    zero1 = dataclasses.replace(lo, zero=1)
+    assert rank_memory(zero1, model, batch, load, 16.0, CostParams(), grad_chunks=8).grads \
+        == rank_memory(zero1, model, batch, load, 16.0, CostParams()).grads
+    # through predict_memory: one round (16,384 GPUs' 16 micro-batches) against two (32)
+    params = CostParams(pp_split="ends_as_layers")
+    one_round, _ = predict_memory(lo, model, batch, params)
+    two_rounds, _ = predict_memory(dataclasses.replace(lo, dp_shard=64), model, batch, params)
+    assert one_round.grads == pytest.approx(one_round.grads_at_step * 128 / 8)
+    assert two_rounds.grads == pytest.approx(two_rounds.grads_at_step * 64)
 
 
 def test_collectives_follow_the_ring_formulas() -> None:

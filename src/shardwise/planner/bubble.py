@@ -223,10 +223,25 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
         return float(min(m, pp - rank))
     if schedule == "zero-bubble":
         return float(min(m, pp))
+    return min(_interleaved_warmup(pp, v, m, rank) + 1, m * v) / v
+
+
+def _interleaved_warmup(pp: int, v: int, m: int, rank: int) -> int:
+    """Chunk forwards rank `rank` runs before its first backward under interleaved 1F1B
+    (Megatron's count: micro-batches in rounds of at least pp)."""
     rounds = max(1, m // pp)
     per_round = m // rounds
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-    return min(warmup + 1, m * v) / v
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+
+
+def forwards_first(schedule: str, pp: int, v: int, m: int, rank: int) -> bool:
+    """Whether rank `rank` of an interleaved pipeline runs every chunk's forward of the step
+    before its first backward (one round: m < 2 pp, and a rank near the front). Its gradients
+    then appear chunk by chunk as backward frees the activations, rather than beside all of them
+    (`planner/memory.py`)."""
+    if pp <= 1 or v <= 1 or schedule != "interleaved-1f1b":
+        return False
+    return _interleaved_warmup(pp, v, m, rank) + 1 >= m * v
 
 
 def bubble_slots(schedule: str, pp: int, v: int, flops_f: float = 1.0, flops_b: float = 1.0,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.planner import comm
-from shardwise.planner.bubble import RankLoad, bubble_slots, flights, rank_groups
+from shardwise.planner.bubble import RankLoad, bubble_slots, flights, forwards_first, rank_groups
 from shardwise.planner.compute import kind_flops, model_flops_per_token, rank_flops
 from shardwise.planner.dispatch import token_copies
 from shardwise.planner.dpcomm import dp_comm
@@ -396,7 +396,8 @@ def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, in
             most[i] = r
     worst: tuple[MemoryBreakdown | None, int] = (None, 0)
     for i, r in most.items():
-        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device)
+        chunks = lo.v if forwards_first(lo.schedule, lo.pp, lo.v, m, r) else 1
+        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, chunks)
         if worst[0] is None or mem.total > worst[0].total:
             worst = (mem, r)
     assert worst[0] is not None
