@@ -16,7 +16,13 @@ import pytest
 from shardwise.planner import accuracy, comm, published, published_report, validate
 from shardwise.planner.bubble import rank_groups
 from shardwise.planner.cluster import resolve_cluster
-from shardwise.planner.cost import DEFAULT_PARAMS, chip_for, predict, predict_memory
+from shardwise.planner.cost import (
+    DEFAULT_PARAMS,
+    chip_for,
+    pipeline_calls,
+    predict,
+    predict_memory,
+)
 from shardwise.planner.dispatch import distinct_groups, token_copies
 from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.fitted import MOE_RATIOS
@@ -185,7 +191,11 @@ def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
     ("dp = 16, ep = 8, zero = 1", 'dp = 16, ep = "eight", zero = 1',
      ["layout.ep = 'eight' must be a whole number"]),
     ("experts = 128\ntop_k = 4\nexpert_ffn = 2880\n", "ffn = 11520\n",
-     ["layout.ep = 8 for gpt-oss-120b, which has no experts"])])
+     ["layout.ep = 8 for gpt-oss-120b, which has no experts"]),
+    ("stack = { pipeline_local_batch = 8 }\nmeasured = { kind = \"tokens_per_s_per_gpu\", "
+     "value = 924.0 }", "stack = { pipeline_local_batch = -8 }\nmeasured = { kind = "
+     "\"tokens_per_s_per_gpu\", value = 924.0 }",
+     ["kimi-k2-256gpu", "stack.pipeline_local_batch = -8", "sequences per data-parallel rank"])])
 def test_a_malformed_moe_row_is_named_field_by_field(tmp_path, old, new, words) -> None:
     message = refusal(MOE, old, new, tmp_path)
     for word in words:
@@ -306,6 +316,42 @@ def test_routed_experts_are_grouped_gemms_of_their_own_rows() -> None:
     assert linear_times(rows, h, 2 * w, flat, 2, local)[1] == pytest.approx(local * one_up[1])
     # and the weight gradient of small groups costs more than one GEMM of all their rows
     assert linear_times(64, h, 2 * w, flat, 2, 64)[1] > linear_times(64 * 64, h, 2 * w, flat, 2)[1]
+
+
+def test_gradient_accumulation_around_the_pipeline_fills_and_drains_it_every_call() -> None:
+    """`pipeline_local_batch` (AutoModel's LBS): the step's m micro-batches run as m / LBS calls
+    of the schedule, each with its own bubble, and each holds only its own micro-batches in
+    flight; the gradients still accumulate over all of them. Without pipeline parallel, or at 0,
+    nothing changes."""
+    assert pipeline_calls(Layout(pp=4, v=8, schedule="interleaved-1f1b"), 32,
+                          CostParams(pipeline_local_batch=8)) == (8, 4)
+    assert pipeline_calls(Layout(pp=4, micro_batch=2, schedule="1f1b"), 16,
+                          CostParams(pipeline_local_batch=8)) == (4, 4)
+    assert pipeline_calls(Layout(pp=4, schedule="1f1b"), 4,
+                          CostParams(pipeline_local_batch=8)) == (4, 1)
+    assert pipeline_calls(Layout(dp_shard=8, zero=2), 32,
+                          CostParams(pipeline_local_batch=8)) == (32, 1)
+    assert pipeline_calls(Layout(pp=4, schedule="1f1b"), 32, CostParams()) == (32, 1)
+    model = preset("deepseek-v3")
+    cluster = resolve_cluster("dgx-h100", nodes=128)
+    batch = Batch(8192, 4096)
+    lo = Layout(dp_shard=256, zero=2, ep=64, pp=4, v=8, schedule="interleaved-1f1b",
+                recompute="full")
+    one = predict(lo, model, cluster, batch, CostParams())
+    four = predict(lo, model, cluster, batch, CostParams(pipeline_local_batch=8))
+    assert four.breakdown["bubble"] == pytest.approx(4 * one.breakdown["bubble"])
+    assert four.step_time_s - one.step_time_s == pytest.approx(
+        3 * one.breakdown["bubble"], rel=0.02)
+    # interleaved rounds of pp micro-batches hold the same in flight in a call of 8 as of 32
+    assert four.memory.activations == one.memory.activations
+    assert four.memory.grads == one.memory.grads  # accumulated over all 32 either way
+    mem, _ = predict_memory(lo, model, batch, CostParams(pipeline_local_batch=8))
+    assert mem.total == four.memory.total
+    # 1F1B with calls of 2 micro-batches on 8 stages: rank 0 holds 2, not 8
+    plain = Layout(dp_shard=128, zero=2, ep=64, pp=8, schedule="1f1b", recompute="full")
+    whole, _ = predict_memory(plain, model, batch, CostParams())
+    calls, _ = predict_memory(plain, model, batch, CostParams(pipeline_local_batch=2))
+    assert calls.activations < whole.activations / 2  # (plus one recomputed block either way)
 
 
 def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:

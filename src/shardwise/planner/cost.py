@@ -9,10 +9,12 @@ Step time, per pipeline rank r and micro-batch (m per step):
             + TP collectives + EP all-to-alls        (exposed unless the framework overlaps them)
             + CP K/V passes, PP send/recv, FSDP all-gathers   (overlapped when `overlapped` says)
             + framework overhead (CPU; on a GPU: max(tau_r, host work))
-    step  = (m + bubble slots) x max_r tau_r
+    step  = (m + calls x bubble slots) x max_r tau_r
             + exposed gradient reduction + the per-step parameter all-gather (ZeRO-1's of
               the updated shards; ZeRO-2's under pipeline parallel) + the optimizer step
-with `comm.exposed(comm, window, overlap)` the part not hidden behind compute (TP collectives a
+(calls: 1, or the step's calls of the pipeline schedule where gradient accumulation runs
+around it, `CostParams.pipeline_local_batch`; each fills and drains the pipeline) with
+`comm.exposed(comm, window, overlap)` the part not hidden behind compute (TP collectives a
 framework overlaps are pipelined chunk by chunk with their GEMMs instead: `comm.pipelined`), and
 on a GPU `CostParams.step_host_s` of host work per step on top.
 tokens/s = global tokens / step; MFU = `telemetry.flops` model FLOPs per token x tokens/s /
@@ -36,6 +38,7 @@ Memory is itemised in `planner/memory.py`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -159,15 +162,17 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
                pp_inter)
     per_load = [_rank_step(ctx, load) for load in distinct]
     taus = [per_load[i].tau for i in index]
-    worst_mem, worst_rank = _peak_memory(lo, model, batch, distinct, index, m, params,
-                                         cluster.cluster.device)
+    per_call, calls = pipeline_calls(lo, m, params)
+    worst_mem, worst_rank = _peak_memory(lo, model, batch, distinct, index, per_call, params,
+                                         cluster.cluster.device, calls)
     busiest = max(range(len(distinct)), key=lambda i: sum(per_load[i].axis_bytes.values()))
     slowest = max(range(len(taus)), key=taus.__getitem__)
     rs = per_load[index[slowest]]
-    slots = _bubble_slots(lo, model, s, distinct[index[slowest]])
+    one_call = _bubble_slots(lo, model, s, distinct[index[slowest]])
+    slots = one_call * calls  # every call of the schedule fills and drains the pipeline
     tau = taus[slowest]
-    # the drain half of the bubble is idle time the gradient reduction can use
-    tails = [step.sync(slots / 2 * tau, params.overlap) for step in per_load]
+    # the drain half of the (last call's) bubble is idle time the gradient reduction can use
+    tails = [step.sync(one_call / 2 * tau, params.overlap) for step in per_load]
     syncs = [sum(t.values()) for t in tails]
     tail = max(range(len(syncs)), key=syncs.__getitem__)  # a distinct load, not a rank
     ts = per_load[tail]
@@ -205,6 +210,16 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
                       comm_time_s=per_load[busiest].axis_time, reason=reason,
                       overhead_s=overhead, overhead_counts=counts, breakdown=breakdown,
                       placement=placement, pod_bound=pod_bound)
+
+
+def pipeline_calls(lo: Layout, m: int, params: CostParams) -> tuple[int, int]:
+    """(micro-batches one call of the pipeline schedule runs, calls per step): one call of all
+    m unless the stack runs gradient accumulation around the schedule
+    (`CostParams.pipeline_local_batch`)."""
+    if lo.pp <= 1 or params.pipeline_local_batch <= 0:
+        return m, 1
+    per_call = min(max(params.pipeline_local_batch // lo.micro_batch, 1), m)
+    return per_call, math.ceil(m / per_call)
 
 
 def _bubble_slots(lo: Layout, model: ModelDims, s: int, load: RankLoad) -> float:
@@ -380,15 +395,17 @@ def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
     lo = layout
     _, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, batch.seq_len, lo.recompute,
                                      lo.ac_every, params.pp_split)
-    return _peak_memory(lo, model, batch, distinct, index, max(lo.micro_batches(batch), 1), params,
-                        device)
+    per_call, calls = pipeline_calls(lo, max(lo.micro_batches(batch), 1), params)
+    return _peak_memory(lo, model, batch, distinct, index, per_call, params, device, calls)
 
 
 @lru_cache(maxsize=8192)
 def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, index: tuple,
-                 m: int, params: CostParams, device: str = "cuda") -> tuple[MemoryBreakdown, int]:
-    """Memory grows with the micro-batches in flight: per kind of rank, the one holding most.
-    Cached: the search asks for a layout's memory before it predicts its time."""
+                 m: int, params: CostParams, device: str = "cuda",
+                 calls: int = 1) -> tuple[MemoryBreakdown, int]:
+    """Memory grows with the micro-batches in flight (`m`: those of one call of the pipeline
+    schedule, of `calls` a step): per kind of rank, the one holding most. Cached: the search
+    asks for a layout's memory before it predicts its time."""
     held = flights(lo.schedule, lo.pp, lo.v, m)
     most: dict[int, int] = {}
     for r, i in enumerate(index):
@@ -396,7 +413,9 @@ def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, in
             most[i] = r
     worst: tuple[MemoryBreakdown | None, int] = (None, 0)
     for i, r in most.items():
-        chunks = lo.v if forwards_first(lo.schedule, lo.pp, lo.v, m, r) else 1
+        # a later call's forwards meet the gradients the earlier calls accumulated
+        first = calls == 1 and forwards_first(lo.schedule, lo.pp, lo.v, m, r)
+        chunks = lo.v if first else 1
         mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, chunks)
         if worst[0] is None or mem.total > worst[0].total:
             worst = (mem, r)

@@ -95,6 +95,11 @@ class CostParams:
     # FSDP's default); False: shardwise skips the reduction until the last micro-batch and
     # accumulates the unsharded gradients (`parallel/execution.py`).
     reduce_every_micro_batch: bool = False
+    # Sequences per data-parallel rank that one call of the pipeline schedule runs; gradient
+    # accumulation repeats the call, and each call fills and drains the pipeline (NeMo
+    # AutoModel's "LBS" around torch's pipelining). 0: the step's micro-batches in one call
+    # (shardwise, Megatron).
+    pipeline_local_batch: int = 0
     # Fraction of line rate NCCL's large-message bus bandwidth reaches (nccl-tests busbw is
     # typically 80-90 % of the link's line rate on NVLink and InfiniBand).
     bandwidth_efficiency: float = 0.85

@@ -38,6 +38,9 @@ def validate_params(params: CostParams, origin: str = "the cost parameters",
         value = getattr(params, name)
         if not (value >= 0 and math.isfinite(value)):
             raise bad(name, "a finite number of at least 0")
+    if params.pipeline_local_batch < 0:
+        raise bad("pipeline_local_batch", "0 (the step's micro-batches in one pipeline call) or "
+                  "the sequences per data-parallel rank of one call")
     if params.residual_bytes not in (2, 4):
         raise bad("residual_bytes", "2 (bf16) or 4 (fp32)")
     if params.grad_bytes not in (2, 4):
