@@ -21,7 +21,7 @@ from shardwise.planner import comm
 from shardwise.planner.bubble import (
     RankLoad,
     bubble_slots,
-    forwards_first,
+    grad_share_at_peak,
     in_flight,
     layer_split,
     rank_loads,
@@ -372,36 +372,39 @@ def test_the_head_holds_one_micro_batch_unless_gpipe() -> None:
     assert growth(gpipe, last) > growth(gpipe, middle) + logits
 
 
-def test_an_interleaved_rank_that_runs_every_forward_first_meets_its_gradients_chunk_by_chunk(
-) -> None:
-    """Interleaved 1F1B in one round (m = pp = 16, v = 8): the front ranks run all 128 chunk
-    forwards before their first backward, so FSDP's unsharded fp32 gradients (created by
-    backward) meet every activation for the first chunk only, or the last chunk's activations
-    for all of them, whichever is more; in a second round (m = 32) or a steady phase they are
-    held together."""
-    assert forwards_first("interleaved-1f1b", 16, 8, 16, 1)
-    assert not forwards_first("interleaved-1f1b", 16, 8, 16, 15)  # warmup 112 + 1 < 128
-    assert not forwards_first("interleaved-1f1b", 16, 8, 32, 1)
-    assert not forwards_first("1f1b", 16, 1, 16, 0)
-    assert not forwards_first("interleaved-1f1b", 1, 8, 16, 0)
+def test_an_interleaved_rank_meets_its_gradients_chunk_by_chunk() -> None:
+    """Interleaved 1F1B creates a chunk's FSDP gradients at its first backward, chunk by chunk:
+    in one round (m = pp = 16, v = 8) the front ranks run all 128 chunk forwards first and the
+    others fewer backwards than a round holds before their peak, so their activations' peak
+    meets one chunk's gradients (or, at the other end, the last chunk's activations all of
+    them, whichever is more); in a second round (m = 32) the steady phase's 115 backwards reach
+    every chunk."""
+    assert grad_share_at_peak("interleaved-1f1b", 16, 8, 16, 1) == 1 / 8  # forwards first
+    assert grad_share_at_peak("interleaved-1f1b", 16, 8, 16, 8) == 1 / 8  # 127 F, then 1 B
+    assert grad_share_at_peak("interleaved-1f1b", 16, 8, 16, 15) == 1 / 8  # 113 F, 15 B < 16
+    assert grad_share_at_peak("interleaved-1f1b", 16, 4, 16, 15) == 1 / 4  # 49 F, 15 B
+    assert grad_share_at_peak("interleaved-1f1b", 4, 4, 8, 3) == 1.0  # 2 rounds: 19 B of 4
+    assert grad_share_at_peak("interleaved-1f1b", 16, 8, 32, 1) == 1.0
+    assert grad_share_at_peak("1f1b", 16, 1, 16, 0) == 1.0
+    assert grad_share_at_peak("interleaved-1f1b", 1, 8, 16, 0) == 1.0
     model = preset("llama3-405b")
     lo = Layout(dp_shard=128, zero=2, tp=8, sequence_parallel=True, pp=16, v=8,
                 schedule="interleaved-1f1b", order="tp-cp-pp-dp")
     batch = Batch(global_batch=2048, seq_len=8192, precision="bf16")
     load = RankLoad(dense=8, moe=0, ck_dense=0, ck_moe=0, first=False, last=False)
     together = rank_memory(lo, model, batch, load, 16.0, CostParams())
-    first = rank_memory(lo, model, batch, load, 16.0, CostParams(), grad_chunks=8)
+    first = rank_memory(lo, model, batch, load, 16.0, CostParams(), grad_share=1 / 8)
     assert together.activations > together.grads > 0
     assert first.activations == together.activations
     assert first.grads == pytest.approx(together.grads / 8)
-    # little activation (one micro-batch in flight): the other end, all gradients
-    few = rank_memory(lo, model, batch, load, 0.05, CostParams(), grad_chunks=8)
+    # little activation (a fraction of a micro-batch in flight): the other end, all gradients
+    few = rank_memory(lo, model, batch, load, 0.05, CostParams(), grad_share=1 / 8)
     few_together = rank_memory(lo, model, batch, load, 0.05, CostParams())
     assert few.grads == few_together.grads
     assert few.activations == pytest.approx(few_together.activations / 8)
     # a persistent gradient buffer (ZeRO-1 here) is held throughout
     zero1 = dataclasses.replace(lo, zero=1)
-    assert rank_memory(zero1, model, batch, load, 16.0, CostParams(), grad_chunks=8).grads \
+    assert rank_memory(zero1, model, batch, load, 16.0, CostParams(), grad_share=1 / 8).grads \
         == rank_memory(zero1, model, batch, load, 16.0, CostParams()).grads
     # through predict_memory: one round (16,384 GPUs' 16 micro-batches) against two (32)
     params = CostParams(pp_split="ends_as_layers")

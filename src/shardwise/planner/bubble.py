@@ -40,6 +40,7 @@ splits the l + 2 units evenly by count: the first and last stages may hold no bl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -234,14 +235,19 @@ def _interleaved_warmup(pp: int, v: int, m: int, rank: int) -> int:
     return min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
 
 
-def forwards_first(schedule: str, pp: int, v: int, m: int, rank: int) -> bool:
-    """Whether rank `rank` of an interleaved pipeline runs every chunk's forward of the step
-    before its first backward (one round: m < 2 pp, and a rank near the front). Its gradients
-    then appear chunk by chunk as backward frees the activations, rather than beside all of them
-    (`planner/memory.py`)."""
+def grad_share_at_peak(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
+    """The share of rank `rank`'s chunks whose gradients exist while its activations peak.
+    Gradients are created by a chunk's first backward. Under interleaved 1F1B (Megatron's order:
+    micro-batches in rounds of N >= pp, backward chunk by chunk from the last) the activations
+    stay at their peak through the steady 1F1B phase, whose k backwards have reached
+    ceil(k / N) chunks, at least the first: a rank that runs every forward before its first
+    backward (one round, near the front; Llama 3 405B at m = pp = 16) holds one chunk's.
+    Every other schedule's first backward creates all of the rank's gradients: 1."""
     if pp <= 1 or v <= 1 or schedule != "interleaved-1f1b":
-        return False
-    return _interleaved_warmup(pp, v, m, rank) + 1 >= m * v
+        return 1.0
+    per_round = m // max(1, m // pp)
+    steady = max(0, m * v - (_interleaved_warmup(pp, v, m, rank) + 1))
+    return min(v, max(1, math.ceil(steady / per_round))) / v
 
 
 def bubble_slots(schedule: str, pp: int, v: int, flops_f: float = 1.0, flops_b: float = 1.0,

@@ -43,7 +43,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.planner import comm
-from shardwise.planner.bubble import RankLoad, bubble_slots, flights, forwards_first, rank_groups
+from shardwise.planner.bubble import (
+    RankLoad,
+    bubble_slots,
+    flights,
+    grad_share_at_peak,
+    rank_groups,
+)
 from shardwise.planner.compute import kind_flops, model_flops_per_token, rank_flops
 from shardwise.planner.dispatch import token_copies
 from shardwise.planner.dpcomm import dp_comm
@@ -407,16 +413,17 @@ def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, in
     schedule, of `calls` a step): per kind of rank, the one holding most. Cached: the search
     asks for a layout's memory before it predicts its time."""
     held = flights(lo.schedule, lo.pp, lo.v, m)
-    most: dict[int, int] = {}
+    # a later call's forwards meet the gradients the earlier calls accumulated
+    shares = [grad_share_at_peak(lo.schedule, lo.pp, lo.v, m, r) if calls == 1 else 1.0
+              for r in range(len(index))]
+    most: dict[tuple[int, float], int] = {}  # per kind of rank and gradient share
     for r, i in enumerate(index):
-        if i not in most or held[r] > held[most[i]]:
-            most[i] = r
+        key = (i, shares[r])
+        if key not in most or held[r] > held[most[key]]:
+            most[key] = r
     worst: tuple[MemoryBreakdown | None, int] = (None, 0)
-    for i, r in most.items():
-        # a later call's forwards meet the gradients the earlier calls accumulated
-        first = calls == 1 and forwards_first(lo.schedule, lo.pp, lo.v, m, r)
-        chunks = lo.v if first else 1
-        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, chunks)
+    for (i, share), r in most.items():
+        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, share)
         if worst[0] is None or mem.total > worst[0].total:
             worst = (mem, r)
     assert worst[0] is not None

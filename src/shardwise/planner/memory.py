@@ -26,11 +26,12 @@ default, keeps only the shards). Under pipeline
 parallel torch keeps the stage's weights gathered across micro-batches
 (`set_reshard_after_backward(False)` until the last), so ZeRO-3 holds what ZeRO-2 holds. Those
 unsharded gradients are created by a parameter's first backward (`zero_grad` sets them to None),
-so they do not always meet the activations' peak: an interleaved rank that runs all its
-forwards before its first backward (one round of micro-batches, a rank near the front:
-`bubble.forwards_first`; Llama 3 405B at m = pp = 16) holds at its peak either every
-activation and the first chunk's gradients, or the last chunk's activations and every gradient,
-whichever is more. Anywhere else (a steady 1F1B phase, a single chunk) they are counted together.
+so under interleaved 1F1B they do not all meet the activations' peak: backward runs chunk by
+chunk, and by the end of the steady phase it has reached only some of the rank's chunks
+(`bubble.grad_share_at_peak`; one chunk where a rank runs every forward before its first
+backward, as Llama 3 405B's front ranks do at m = pp = 16). The rank holds at its peak either
+every activation and those chunks' gradients, or the last chunk's activations and every
+gradient, whichever is more. Other schedules count them together.
 
 With `CostParams.low_precision_params` (Megatron's policy, for published runs) ZeRO-0/1 hold the
 parameters in the compute dtype (q bytes), the gradients in a main-grad buffer of
@@ -236,12 +237,11 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
 
 def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
                 inflight: float, params: CostParams, device: str = "cuda",
-                grad_chunks: int = 1) -> MemoryBreakdown:
+                grad_share: float = 1.0) -> MemoryBreakdown:
     """Peak bytes on one pipeline rank of a `device` ("cuda" or "cpu": the optimizer's
-    workspace, the allocator's fragmentation and the runtime's overhead differ). `grad_chunks`
-    > 1: the rank runs all its forwards before its first backward over that many chunks
-    (`bubble.forwards_first`), so FSDP's unsharded gradients grow a chunk at a time as backward
-    frees the activations (module docstring)."""
+    workspace, the allocator's fragmentation and the runtime's overhead differ). `grad_share`
+    < 1: the share of the rank's chunks whose FSDP gradients exist while its activations peak
+    (`bubble.grad_share_at_peak`; module docstring)."""
     lo = layout
     q = compute_bytes(batch.precision)
     gather_linear = 2 if batch.precision == "bf16" else 4
@@ -342,15 +342,14 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
             buffers += 2 * q * model.top_k * tokens * model.hidden / (lo.tp if sp else 1)
         if lo.cp > 1:  # ring attention's K/V blocks in flight (send + receive)
             buffers += 2 * 2 * q * tokens * model.kv * model.hd / lo.tp
-    if grad_chunks > 1 and lo.zero >= 2 and grads > grads_step:
-        # every forward before the first backward: at the activations' peak no gradient exists
-        # yet; backward then frees a chunk's activations of every micro-batch and creates that
-        # chunk's gradients, chunk by chunk, so the peak is at one end: all the activations and
-        # the first chunk's gradients, or the last chunk's activations and all the gradients
-        if acts >= grads:
-            grads /= grad_chunks
+    if grad_share < 1 and lo.zero >= 2 and grads > grads_step:
+        # FSDP's unsharded gradients appear chunk by chunk as backward frees activations: the
+        # peak is at one end, the activations' peak with the chunks' gradients backward has
+        # reached by then, or all the gradients with the last chunk's activations
+        if acts + grad_share * grads >= acts / lo.v + grads:
+            grads *= grad_share
         else:
-            acts /= grad_chunks
+            acts /= lo.v
     cpu = device == "cpu"
     workspace = 4 * optimized if cpu else 0.0  # foreach AdamW's sqrt of the second moments
     allocated = p_bytes + gathered + grads + opt + acts + buffers + workspace
