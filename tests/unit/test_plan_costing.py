@@ -332,6 +332,12 @@ def test_cli_validate_prints_every_row_and_the_score(capsys) -> None:
     assert main(["plan", "--validate", str(reference)]) == 0
     out = capsys.readouterr().out
     assert "sc21-1t" in out and "mean absolute" in out and "by source" in out
+    # each row predicted not to fit says how far it is: allocated, and the allocator waste under
+    # which it would fit, or that it would not fit with none
+    tight = next(line for line in out.splitlines() if line.startswith("  llama3-405b-8k-16384gpu:"))
+    assert "73.0 GiB allocated" in tight and "wastes under 7.7 %" in tight and "allows 10 %" in tight
+    over = next(line for line in out.splitlines() if line.startswith("  llama3-405b-8k-8192gpu:"))
+    assert "90.1 GiB allocated" in over and "no allocator waste at all" in over
     assert main(["plan", "--validate", "/nonexistent.toml"]) == 2
     assert "no such file" in capsys.readouterr().err
 

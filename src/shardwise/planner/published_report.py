@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.planner import accuracy, validate
-from shardwise.planner.cost import FITTED_FIELDS, CostParams
+from shardwise.planner.cost import FITTED_FIELDS, CostParams, Prediction
 from shardwise.planner.published import Reference, load
 from shardwise.planner.validate import RowResult, Score, score
 
@@ -65,7 +65,29 @@ def text(results: Sequence[RowResult], title: str) -> str:
                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
               for row in rows]
     lines += ["", summary(score(results))]
+    for r in results:
+        if not r.any_fits:
+            cuda = r.ref.cluster.cluster.device == "cuda"
+            lines.append(f"  {r.ref.id}: {headroom(r.prediction, r.ref.params(CostParams()), cuda)}")
     return "\n".join(lines)
+
+
+def headroom(pred: Prediction, params: CostParams, cuda: bool = True) -> str:
+    """How far a layout predicted not to fit is from fitting: what it allocates against the
+    device, and on a GPU the caching allocator's waste (`CostParams.fragmentation`, a default
+    no source states) under which it would fit."""
+    mem, gib = pred.memory, 2**30
+    allocated = mem.total - mem.fragmentation - mem.overhead
+    room = pred.capacity_bytes - mem.overhead
+    head = (f"{mem.total / gib:.1f} GiB a rank on pipeline rank {pred.memory_rank}, of "
+            f"{pred.capacity_bytes / gib:.1f}: {allocated / gib:.1f} GiB allocated")
+    if not cuda:
+        return head
+    if allocated >= room:
+        return head + ", more than the device holds with no allocator waste at all"
+    return (head + f"; it fits if the caching allocator wastes under "
+            f"{100 * (room / allocated - 1):.1f} % of that (the planner allows "
+            f"{100 * params.fragmentation:.0f} %)")
 
 
 def summary(s: Score) -> str:
