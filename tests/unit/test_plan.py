@@ -866,3 +866,16 @@ def test_overhead_params_are_validated(tmp_path: Path) -> None:
         path.write_text(f"[cost_params]\n{text}\n")
         with pytest.raises(SpecError, match=field):
             load_params(path)
+
+
+def test_a_renamed_cost_parameter_is_named_with_its_new_name(tmp_path: Path) -> None:
+    """An older params file's `eager_activations` is refused with what replaced it, not with the
+    closest spelling (which was 'fragmentation')."""
+    from shardwise.planner.params_file import load_params
+
+    path = tmp_path / "p.toml"
+    path.write_text("[cost_params]\neager_activations = false\n")
+    with pytest.raises(SpecError, match="eager_activations was renamed eager_modules"):
+        load_params(path)
+    path.write_text("[cost_params]\neager_modules = false\n")
+    assert load_params(path).eager_modules is False

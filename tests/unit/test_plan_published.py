@@ -187,6 +187,7 @@ def test_the_probes_unstated_overlaps_bracket_what_the_run_measured() -> None:
     probes = published.load(REFERENCE.with_name("published_probes.toml"))
     order = ["none", "dp", "dp-param", "all"]
     by_run: dict[str, list[validate.RowResult]] = {}
+    probes = [row for row in probes if row.model.name == "nemotron4-15b"]
     for result in validate.predict_all(probes, DEFAULT_PARAMS):
         stage = result.ref.id.split("-nemotron4-15b-")[1]
         by_run.setdefault(stage, []).append(result)
@@ -201,6 +202,27 @@ def test_the_probes_unstated_overlaps_bracket_what_the_run_measured() -> None:
     assert "sequence_parallel" in row.unknown
     assert {lo.sequence_parallel for lo in row.candidates} == {False, True}
     assert "sequence parallel o" in by_run["dp96"][0].chosen()
+
+
+def test_torchtitans_eager_and_compiled_runs_differ_by_their_elementwise_kernels() -> None:
+    """torchtitan ran Llama 3.1 8B with FSDP on 128 H100s eager and compiled: 5,605 and 6,514
+    tokens/s a GPU, 1.16x. The same layout's GEMMs and attention are the same kernels either
+    way; the planner's eager modules move 4-5x the fused bytes through HBM, which predicts the
+    gap within 0.07 at both ends of the page's peak bracket (the fused count alone: 1.00x).
+    The bracket's ends are each within 6 points of these two rows."""
+    probes = published.load(REFERENCE.with_name("published_probes.toml"))
+    rows = {r.ref.id: r for r in validate.predict_all(
+        [row for row in probes if "-tt-8b-128-" in row.id], DEFAULT_PARAMS)}
+    assert len(rows) == 4
+    for peak in ("sxm", "nvl"):
+        eager, compiled = rows[f"{peak}-tt-8b-128-fsdp-eager"], rows[f"{peak}-tt-8b-128-fsdp-compile"]
+        measured = compiled.measured_mfu / eager.measured_mfu
+        assert measured == pytest.approx(6514 / 5605)
+        assert compiled.predicted_mfu / eager.predicted_mfu == pytest.approx(measured, abs=0.07)
+        assert abs(eager.error) < 6 and abs(compiled.error) < 6
+        as_fused = dataclasses.replace(eager.ref, stack={**eager.ref.stack, "eager_modules": False})
+        fused = validate.predict_all([as_fused], DEFAULT_PARAMS)[0]
+        assert fused.predicted_mfu == pytest.approx(compiled.predicted_mfu, rel=0.01)
 
 
 def test_params_apply_a_sources_mechanics_without_shardwise_overheads(refs) -> None:

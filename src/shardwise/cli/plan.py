@@ -181,7 +181,8 @@ def _explain(wanted: str, result, band, params, out) -> None:
             f"{getattr(params, f'gemm_k_half_{gen}'):.0f} ({gen}, fitted on published runs)"
             if gen and result.cluster.cluster.device != "cpu" else
             f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation")
-    print("\n" + explain.explain(pred, result.cluster, band, note), file=out)
+    print("\n" + explain.explain(pred, result.cluster, band, note, params.eager_modules),
+          file=out)
 
 
 def validate(args: argparse.Namespace, params) -> int:

@@ -23,7 +23,7 @@ TERM_INFO: dict[str, tuple[str, str]] = {
                   "{attention}"),
     "memory_bound": ("compute: memory-bound (norms, residuals, dropout, activation, MoE "
                      "token permutation)",
-                     "bytes moved / HBM bandwidth, counted per op"),
+                     "{memory_bound}"),
     "output_and_loss": ("compute: output layer, loss, embedding",
                         "the d x V/tp GEMM; the fp32 cross-entropy's passes over the "
                         "vocabulary / HBM"),
@@ -68,10 +68,10 @@ def find(preds: list[Prediction], wanted: str) -> Prediction | None:
 
 
 def explain(pred: Prediction, cluster: ClusterSpec, band: Interval | None,
-            params_note: str) -> str:
+            params_note: str, eager: bool = True) -> str:
     """The decomposition as text."""
     lo, step = pred.layout, pred.step_time_s
-    fill = _fill(pred, params_note)
+    fill = _fill(pred, params_note, eager)
     lines = [f"{lo.name()} (micro-batch {lo.micro_batch}, recompute {lo.recompute}, "
              f"{pred.micro_batches} micro-batch(es) per step): step {step:.3g} s, "
              f"{pred.tokens_per_s:,.0f} tokens/s, {describe(pred.mfu, band)}", ""]
@@ -117,11 +117,14 @@ def bound(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-def _fill(pred: Prediction, params_note: str) -> dict[str, str]:
+def _fill(pred: Prediction, params_note: str, eager: bool) -> dict[str, str]:
     lo = pred.layout
     pl = pred.placement
     return {
         "gemm": params_note,
+        "memory_bound": "bytes moved / HBM bandwidth, op by op: " + (
+            "eager modules, one kernel an op (bytes counted on the built-in block, "
+            "planner/elementwise.py)" if eager else "fused kernels, the least each op moves"),
         "attention": "fused kernels: the causal half of the square / (peak x attention "
                      "efficiency); unfused: batched GEMMs over the full square + softmax bytes",
         "tp_how": "2 all-gathers + 2 reduce-scatters" if lo.sequence_parallel else

@@ -20,7 +20,9 @@ class is timed by what bounds it:
   attention runs its score and value matmuls as batched GEMMs over the full square and moves the
   s x s scores through HBM for softmax (and dropout).
 - **Memory-bound** work (norms, residual adds, dropout, the MLP activation, the loss's softmax,
-  the embedding): bytes / HBM bandwidth. Per block and token, forward: each norm reads the
+  the embedding): bytes / HBM bandwidth, a block's bytes as `planner/elementwise.py` counts them
+  for fused kernels or for eager PyTorch modules (`CostParams.eager_modules`). Fused, per block
+  and token, forward: each norm reads the
   residual (r bytes an element) and writes its output (q bytes); each residual add reads the
   branch output (q) and the residual (r) and writes the residual (r), plus a one-byte mask under
   dropout; the activation reads its inputs and writes its output (SwiGLU 3 x ffn elements, GeLU
@@ -48,6 +50,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.planner.elementwise import eager_bytes, fused_bytes
 from shardwise.planner.models import ModelDims
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts
@@ -146,9 +149,11 @@ def memory_time(nbytes: float, chip: Chip) -> float:
 @lru_cache(maxsize=16384)
 def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp: int, cp: int,
                 sp: bool, q: int, residual_bytes: int, fused: bool, dropout: bool,
-                whole_block_recompute: bool, chip: Chip, ep: int = 1) -> BlockTimes:
+                whole_block_recompute: bool, chip: Chip, ep: int = 1,
+                eager: bool = False) -> BlockTimes:
     """One block of `kind` ("dense" or "moe", its routed experts spread over `ep` ranks) on one
-    rank, for one micro-batch."""
+    rank, for one micro-batch (`eager`: its elementwise work as unfused eager kernels,
+    `planner/elementwise.py`)."""
     tokens = micro_batch * seq_len // cp
     h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
     r = max(q, residual_bytes)
@@ -184,14 +189,11 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
         f, b = linear_times(n_tok, k, n, chip, q, groups)
         fwd_g, bwd_g, last_fwd = fwd_g + f, bwd_g + b, f
     att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
-    wide = 2 * (r + q) + 2 * (q + 2 * r + (1 if dropout else 0))  # norms, residual adds
-    if kind == "moe":
-        wide += (3 * model.top_k + 1) * q  # the routed tokens' permutation (module docstring)
-    narrow = (3 if model.gated else 2) * q  # the activation, per ffn element
-    fwd_bytes = tokens * (wide * h / (tp if sp else 1) + narrow * ffn_elems)
+    count = eager_bytes if eager else fused_bytes
+    fwd_bytes, bwd_bytes = count(model, kind, tokens, tp, sp, q, r, dropout, ffn_elems)
     fwd_m = memory_time(fwd_bytes, chip)
     forward = OpTimes(gemm=fwd_g, memory=fwd_m) + att_f
-    backward = OpTimes(gemm=bwd_g, memory=2 * fwd_m) + att_b
+    backward = OpTimes(gemm=bwd_g, memory=memory_time(bwd_bytes, chip)) + att_b
     recompute = forward if whole_block_recompute else \
         OpTimes(gemm=fwd_g - last_fwd, memory=fwd_m) + att_f
     return BlockTimes(forward, backward, recompute)

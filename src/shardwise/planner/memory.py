@@ -83,7 +83,7 @@ Recomputation in Large Transformer Models", §4: 34sbh + 5as²b bytes without te
 sbh(10 + 24/t + 5as/ht) with tensor parallel; sbh/t(34 + 5as/h) with sequence parallel),
 term by term so that it holds for SwiGLU, grouped-query attention, MoE, fp32 residuals and fused
 attention (with `CostParams(residual_bytes=2, fused_attention=False, dropout=True,
-eager_activations=False)` and a 4h GeLU MLP it is exactly their formula; a test checks it).
+eager_modules=False)` and a 4h GeLU MLP it is exactly their formula; a test checks it).
 x = s·b·h elements, q bytes per compute element, r per residual element:
 - not split by tensor parallel (split by sequence parallel): the two norm inputs 2r·x, the two
   norm outputs (attention and MLP inputs) 2q·x, dropout masks 2x;
@@ -94,7 +94,7 @@ x = s·b·h elements, q bytes per compute element, r per residual element:
   saved tensors (SwiGLU: w1 and w3 outputs, silu(w1 x) and the product: 4 tensors of s·b·ffn;
   GeLU: 2); MoE: those of the top-k + shared experts, the dispatched and combined tokens, the
   router's fp32 logits and probabilities.
-With `CostParams.eager_activations` (default true) three tensors the textbook count leaves out are
+With `CostParams.eager_modules` (default true) three tensors the textbook count leaves out are
 added, measured with saved-tensor hooks on the built-in GPT (`models/gpt.py`; Hugging Face's Llama
 modelling does the same): each RMSNorm's fp32 normalised input before the weight (4·x per norm,
 and for the final norm), K and V repeated to the query head count for scaled_dot_product_attention
@@ -318,7 +318,7 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         def block(kind: str) -> float:
             return layer_activation(model, kind, tokens, batch.seq_len, lo.tp, sp, q, res,
                                     params.fused_attention, params.dropout,
-                                    params.eager_activations)
+                                    params.eager_modules)
 
         kept = max(q, res) * tokens * model.hidden / (lo.tp if sp else 1)
         a_dense = block("dense") if load.dense else 0.0
@@ -334,7 +334,7 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
             head_held = inflight if lo.schedule == "gpipe" else min(inflight, 1.0)
             x = tokens * model.hidden / (lo.tp if sp else 1)
             logits = tokens * model.vocab / lo.tp
-            acts += head_held * (max(q, res) + q + (4 if params.eager_activations else 0)) * x
+            acts += head_held * (max(q, res) + q + (4 if params.eager_modules else 0)) * x
             acts += params.logits_bytes * logits + 4 * logits * max(head_held - 1, 0)
         if lo.tp > 1:  # the gathered block input of sequence / tensor parallel
             buffers += q * tokens * model.hidden

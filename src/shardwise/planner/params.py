@@ -141,10 +141,14 @@ class CostParams:
     # Bytes per logit at the loss: bf16 logits, their fp32 copy, the fp32 log-softmax saved for
     # backward (shardwise computes the loss on fp32 logits).
     logits_bytes: float = 10.0
-    # The eager modules' extra saved tensors (RMSNorm's normalised input, GQA's repeated K/V, the
-    # output projection's copy of the attention output; `planner/memory.py`): measured on the
-    # built-in GPT with saved-tensor hooks. False: the textbook count (Korthikanti et al.).
-    eager_activations: bool = True
+    # The blocks run as eager PyTorch modules written like the built-in GPT (`models/gpt.py`;
+    # Meta's reference Llama, Hugging Face's and torchtitan's without torch.compile): the extra
+    # tensors they save (RMSNorm's normalised input, GQA's repeated K/V, the output projection's
+    # copy of the attention output; `planner/memory.py`, measured with saved-tensor hooks) and
+    # their elementwise work as one kernel an op (`planner/elementwise.py`, measured with a
+    # dispatch mode). False: fused kernels (Megatron-Core, Transformer Engine, torch.compile)
+    # and the textbook activations (Korthikanti et al.).
+    eager_modules: bool = True
     # A CPU worker (`cpu-local`): what the process holds before its model exists (Python, torch
     # and its distributed packages, gloo, the data): 320-321 MiB measured per worker on this
     # machine (the memory event's rss_before_model_bytes_per_rank; bench_init: 322 MB); the host

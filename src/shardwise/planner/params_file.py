@@ -91,5 +91,21 @@ def load_params(path: str | Path) -> CostParams:
         raise SpecError(f"{path}: [{name}] is not a table of cost parameters."
                         f"{_suggest(name, [PARAMS_TABLE])} The file holds one [{PARAMS_TABLE}] "
                         "table (as --write-params writes it).")
-    params = _build_section(PARAMS_TABLE, CostParams, data.get(PARAMS_TABLE, {}), str(path))
+    table = data.get(PARAMS_TABLE, {})
+    refuse_renamed(table, f"{path}: [{PARAMS_TABLE}]")
+    params = _build_section(PARAMS_TABLE, CostParams, table, str(path))
     return validate_params(params, str(path))
+
+
+#: CostParams fields that were renamed, and what they say now
+RENAMED = {"eager_activations": ("eager_modules", "it now also times the eager modules' "
+                                 "elementwise kernels, not only their saved tensors")}
+
+
+def refuse_renamed(values: dict, where: str) -> None:
+    """A key an older shardwise wrote, named with what replaced it (a close-match suggestion
+    would point elsewhere)."""
+    for old, (new, why) in RENAMED.items():
+        if old in values:
+            raise SpecError(f"{where}: {old} was renamed {new} ({why}). Rename the key; the "
+                            "value means the same.")

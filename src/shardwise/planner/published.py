@@ -23,7 +23,7 @@ from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.figures import MEASURED_KINDS, tokens_per_s
 from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims, mla_attention
-from shardwise.planner.params_file import validate_params
+from shardwise.planner.params_file import refuse_renamed, validate_params
 from shardwise.spec.checks import choice
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
 from shardwise.spec.toml import build_table
@@ -371,6 +371,7 @@ def _stack(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise SpecError(f"{where}: stack.{fitted[0]} is an efficiency, which the cost model fits "
                         "on every source at once (`bench_plan.py --published`); a source's stack "
                         "states only how its framework trains (mechanics). Remove it.")
+    refuse_renamed(dict(values), f"{where}: stack")
     try:
         built = build_table("stack", CostParams, values, where)
     except SpecError as err:  # a value's type error does not say where it is
