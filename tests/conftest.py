@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.data.corpus import load_text_corpus
+from shardwise.run.agent import NATIVE_CRASH
 from tests.support.s3 import s3env, s3rver  # noqa: F401 (fixtures: a real S3 server on loopback)
 
 
@@ -31,7 +32,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 #: the one failure a test is rerun for (tests/README.md, "A crash in native code"): the phrase
 #: both `RankCrashed` and the launcher's message for a launched worker carry
-CRASH_PHRASE = "crash in native code"
+CRASH_PHRASE = NATIVE_CRASH.removeprefix("a ")
 
 #: tests rerun after such a crash: "id: cause"
 RERUNS: list[str] = []

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.parallel.distributed import forget_meshes
-from shardwise.run.agent import CRASH_SIGNALS
+from shardwise.run.agent import CRASH_SIGNALS, NATIVE_CRASH
 
 #: how long a finished job waits for threads it started to end before the ranks count as dirty
 _THREAD_GRACE_S = 2.0
@@ -311,7 +311,7 @@ def _collect(results: Any, key: Any, procs: list[Any], timeout: float,
     if errors:
         crashed = _crashed(procs, errors)
         if crashed:
-            raise RankCrashed(f"{crashed} (a crash in native code; its stack is in the captured "
+            raise RankCrashed(f"{crashed} ({NATIVE_CRASH}; its stack is in the captured "
                               "stderr, from the \"Fatal Python error\" line)\n" + "\n".join(errors))
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world)]

@@ -73,7 +73,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
              tp: int, cp: int, ep: int, pp: int, order: str, m: int, precision: str,
              cluster: ClusterSpec, bandwidth_efficiency: float, latency: float, gb: int,
              low_precision_params: bool, reduce_every_micro_batch: bool,
-             state_in_compute_dtype: bool = False) -> DpComm:
+             state_in_compute_dtype: bool) -> DpComm:
     lo = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, tp=tp, cp=cp, ep=ep,
                 pp=pp, order=order)
     g, _ = comm.mesh_groups(tp, cp, dp_shard, dp_replicate, pp, ep, order, cluster,

@@ -107,6 +107,9 @@ def launch_local(run_dir: Path, nproc: int, resume: bool, max_restarts: int = 0,
 #: signals that mean the process crashed (in native code: torch, a collective library, an
 #: extension), not that something stopped it
 CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+#: what a worker killed by one of them is called, by the launcher and by the test harness (whose
+#: conftest reruns a test once for this, and for nothing else)
+NATIVE_CRASH = "a crash in native code"
 
 
 def describe_exits(codes: dict[int, int]) -> str:
@@ -125,7 +128,7 @@ def describe_exits(codes: dict[int, int]) -> str:
         parts.append(f"rank {rank} killed by {name}")
     text = ", ".join(parts)
     if crashed:
-        text += (" (a crash in native code: torch, a collective library or an extension; the "
+        text += (f" ({NATIVE_CRASH}: torch, a collective library or an extension; the "
                  "crashed rank printed every thread's Python stack above, from the "
                  "\"Fatal Python error\" line)")
     return text
