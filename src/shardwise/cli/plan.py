@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                             "the planner against finished runs).")
     cluster = resolve_cluster(args.cluster, args.nodes)
     model, base = resolve_model(args.model)
+    if base is not None:  # a RunSpec says how its blocks run: torch.compile fuses their kernels
+        params = dataclasses.replace(params, eager_modules=not base.memory.compile)
     seq = args.seq_len or (base.data.seq_len if base is not None and not base.data.is_samples
                            else model.seq_len) or 1
     if seq < 1:
