@@ -21,8 +21,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
              "2mnk / (peak x e x k/(k+k0) x tile/wave use), each GEMM by shape {gemm}"),
     "attention": ("compute: attention core",
                   "{attention}"),
-    "memory_bound": ("compute: memory-bound (norms, residuals, dropout, activation, MoE "
-                     "token permutation)",
+    "memory_bound": ("compute: memory-bound (norms, residuals, casts, rotary, dropout, "
+                     "activation, MoE token permutation)",
                      "{memory_bound}"),
     "output_and_loss": ("compute: output layer, loss, embedding",
                         "the d x V/tp GEMM; the fp32 cross-entropy's passes over the "

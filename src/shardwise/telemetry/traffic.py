@@ -8,8 +8,8 @@ FLOPs) and moves data (views move none). Run under it on any device: the aten op
 the modules issue are the same on a CPU, so the count describes the GPU run of the same code.
 
 An input is counted at most at its storage's size (an expanded view reads its storage once); an
-output at its size. The planner's eager elementwise model (`planner/kernels.py`) quotes these
-counts for the built-in block, and a test holds it to them.
+output at its size. The planner's eager elementwise model (`planner/elementwise.py`) quotes
+these counts for the built-in block, and a test holds it to them.
 """
 
 from __future__ import annotations
