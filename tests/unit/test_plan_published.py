@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.planner import accuracy, figures, published, validate
-from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS
+from shardwise.planner.cost import DEFAULT_PARAMS, FITTED_FIELDS, predict_memory
 from shardwise.planner.dpcomm import fsdp_per_micro_batch
 from shardwise.planner.fitted import FITTED, HELD_OUT_RATIOS, SCORES
 from shardwise.planner.layout import Layout
@@ -207,8 +207,9 @@ def test_the_probes_unstated_overlaps_bracket_what_the_run_measured() -> None:
 def test_torchtitans_eager_and_compiled_runs_differ_by_their_elementwise_kernels() -> None:
     """torchtitan ran Llama 3.1 8B with FSDP on 128 H100s eager and compiled: 5,605 and 6,514
     tokens/s a GPU, 1.16x. The same layout's GEMMs and attention are the same kernels either
-    way; the planner's eager modules move 4-5x the fused bytes through HBM, which predicts the
-    gap within 0.07 at both ends of the page's peak bracket (the fused count alone: 1.00x).
+    way; the planner's eager modules move 4-5x the fused bytes through HBM, and per-op
+    checkpointing runs every block's forward elementwise ops again. That predicts 1.22x at the
+    NVL end of the page's peak bracket and 1.25x at the SXM end; the fused count alone: 1.00x.
     The bracket's ends are each within 6 points of these two rows."""
     probes = published.load(REFERENCE.with_name("published_probes.toml"))
     rows = {r.ref.id: r for r in validate.predict_all(
@@ -218,11 +219,38 @@ def test_torchtitans_eager_and_compiled_runs_differ_by_their_elementwise_kernels
         eager, compiled = rows[f"{peak}-tt-8b-128-fsdp-eager"], rows[f"{peak}-tt-8b-128-fsdp-compile"]
         measured = compiled.measured_mfu / eager.measured_mfu
         assert measured == pytest.approx(6514 / 5605)
-        assert compiled.predicted_mfu / eager.predicted_mfu == pytest.approx(measured, abs=0.07)
+        assert compiled.predicted_mfu / eager.predicted_mfu == pytest.approx(measured, abs=0.1)
         assert abs(eager.error) < 6 and abs(compiled.error) < 6
         as_fused = dataclasses.replace(eager.ref, stack={**eager.ref.stack, "eager_modules": False})
         fused = validate.predict_all([as_fused], DEFAULT_PARAMS)[0]
         assert fused.predicted_mfu == pytest.approx(compiled.predicted_mfu, rel=0.01)
+
+
+@pytest.mark.parametrize("gpus, eager, measured_gib", [
+    (128, True, 67.0), (128, False, 62.0), (8, True, 82.4), (8, False, 77.0)])
+def test_torchtitans_per_op_checkpointing_memory_is_the_pages_own(gpus: int, eager: bool,
+                                                                   measured_gib: float) -> None:
+    """torchtitan's 2024-12 page prints each 8B FSDP run's peak memory (Tables 1 and 3: local
+    batch 2 of 8,192 tokens, per-op selective checkpointing, on 8 and 128 GPUs). The planner
+    predicts all four within 3 % (eager: 67.0 and 82.4, as printed; compiled: 61.1
+    and 76.5 against 62.0 and 77.0). Whole-block checkpointing of every second block, the
+    planner's "selective", is 42 % over on the eager 128-GPU run: it keeps the eager
+    intermediates of the blocks it does not checkpoint, which the per-op policy recomputes."""
+    probes = published.load(REFERENCE.with_name("published_probes.toml"))
+    row = next(r for r in probes if r.id == f"nvl-tt-8b-128-fsdp-{'eager' if eager else 'compile'}")
+    (layout,) = row.candidates
+    layout = dataclasses.replace(layout, dp_shard=gpus)
+    batch = dataclasses.replace(row.batch, global_batch=2 * gpus)
+    params = row.params(DEFAULT_PARAMS)
+
+    def gib(recompute: str) -> float:
+        lo = dataclasses.replace(layout, recompute=recompute)
+        return predict_memory(lo, row.model, batch, params, "cuda")[0].total / 2**30
+
+    assert layout.recompute == "op"
+    assert gib("op") == pytest.approx(measured_gib, rel=0.03)
+    if eager and gpus == 128:
+        assert gib("selective") > 1.4 * measured_gib
 
 
 def test_params_apply_a_sources_mechanics_without_shardwise_overheads(refs) -> None:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from shardwise.planner import op_checkpoint
 from shardwise.planner.models import ModelDims
 
 
@@ -81,8 +82,9 @@ def stage_ranks(pp: int, v: int, schedule: str) -> list[int]:
 
 def checkpointed(i: int, recompute: str, ac_every: int) -> bool:
     """Block i is recomputed: `full` every block, `selective` every `ac_every`-th (the rule of
-    `shardwise.parallel.memory` and `telemetry.flops.recomputed_blocks`)."""
-    return recompute == "full" or (recompute == "selective" and i % ac_every == 0)
+    `shardwise.parallel.memory` and `telemetry.flops.recomputed_blocks`); `op` checkpoints every
+    block, per op (`planner/op_checkpoint.py`)."""
+    return recompute in ("full", "op") or (recompute == "selective" and i % ac_every == 0)
 
 
 def _layer_costs(model: ModelDims, seq_len: int, recompute: str, ac_every: int) -> list[float]:
@@ -90,7 +92,11 @@ def _layer_costs(model: ModelDims, seq_len: int, recompute: str, ac_every: int) 
     per_kind = {k: model.layer_flops(k, seq_len) for k in ("dense", "moe")}
     for i, kind in enumerate(model.layer_kinds):
         fc = per_kind[kind]
-        extra = fc.recompute_per_token(1) if checkpointed(i, recompute, ac_every) else 0.0
+        extra = 0.0
+        if recompute == "op":
+            extra = op_checkpoint.recompute_flops_per_token(model)
+        elif checkpointed(i, recompute, ac_every):
+            extra = fc.recompute_per_token(1)
         costs.append(fc.per_token() + extra)
     return costs
 

@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from shardwise.planner.bubble import RankLoad
 from shardwise.planner.models import ModelDims
+from shardwise.planner.op_checkpoint import recompute_flops_per_token, supports_op_checkpoint
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class KindFlops:
     forward: float
     input_grad: float
     weight_grad: float
+    op_recompute: float = 0.0  # the recompute under per-op checkpointing (`op_checkpoint`)
+
+    def recomputed(self, op: bool) -> float:
+        return self.op_recompute if op else self.recompute
 
 
 @lru_cache(maxsize=1024)
@@ -37,15 +42,17 @@ def kind_flops(model: ModelDims, kind: str, seq_len: int) -> KindFlops:
     fc = model.layer_flops(kind, seq_len)
     attn_fwd = fc.attention(1, 1, causal_halved=True)
     n = fc.matmul_params
+    op = recompute_flops_per_token(model) if supports_op_checkpoint(model) else 0.0
     return KindFlops(model=fc.per_token(), recompute=fc.recompute_per_token(1),
                      forward=2.0 * n + attn_fwd, input_grad=2.0 * n + 2 * attn_fwd,
-                     weight_grad=2.0 * n)
+                     weight_grad=2.0 * n, op_recompute=op)
 
 
 @lru_cache(maxsize=65536)
 def rank_flops(model: ModelDims, load: RankLoad, seq_len: int, tokens: int, tp: int,
-               cp: int) -> tuple[float, float]:
-    """(hardware FLOPs, model FLOPs) one rank runs for one micro-batch of `tokens` tokens."""
+               cp: int, op: bool = False) -> tuple[float, float]:
+    """(hardware FLOPs, model FLOPs) one rank runs for one micro-batch of `tokens` tokens
+    (`op`: its checkpointed blocks per op)."""
     if model.opaque:
         f = 6.0 * model.params * tokens
         return f, f
@@ -53,7 +60,7 @@ def rank_flops(model: ModelDims, load: RankLoad, seq_len: int, tokens: int, tp: 
     per_token = load.dense * dense.model + load.moe * moe.model
     if load.last:
         per_token += head_flops_per_token(model, seq_len)
-    recompute = load.ck_dense * dense.recompute + load.ck_moe * moe.recompute
+    recompute = load.ck_dense * dense.recomputed(op) + load.ck_moe * moe.recomputed(op)
     split = tp * cp
     return (per_token + recompute) * tokens / split, per_token * tokens / split
 

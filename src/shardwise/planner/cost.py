@@ -231,8 +231,9 @@ def pipeline_calls(lo: Layout, m: int, params: CostParams) -> tuple[int, int]:
 def _bubble_slots(lo: Layout, model: ModelDims, s: int, load: RankLoad) -> float:
     dense_k, moe_k = kind_flops(model, "dense", s), kind_flops(model, "moe", s)
     f = load.dense * dense_k.forward + load.moe * moe_k.forward
+    op = lo.recompute == "op"
     b = (load.dense * dense_k.input_grad + load.moe * moe_k.input_grad
-         + load.ck_dense * dense_k.recompute + load.ck_moe * moe_k.recompute)
+         + load.ck_dense * dense_k.recomputed(op) + load.ck_moe * moe_k.recomputed(op))
     w = load.dense * dense_k.weight_grad + load.moe * moe_k.weight_grad
     return bubble_slots(lo.schedule, lo.pp, lo.v, f, b, w)
 
@@ -244,18 +245,19 @@ def _compute(ctx: _Ctx, load: RankLoad) -> tuple[OpTimes, OpTimes, OpTimes]:
     if ctx.chip is None:
         peak = ctx.cluster.peak_flops(batch.precision, batch.tf32) * p.efficiency
         hw, model_flops = rank_flops(ctx.model, load, batch.seq_len, lo.micro_batch *
-                                     batch.seq_len, lo.tp, lo.cp)
+                                     batch.seq_len, lo.tp, lo.cp, lo.recompute == "op")
         return OpTimes(gemm=model_flops / peak), OpTimes(gemm=(hw - model_flops) / peak), ZERO
     return _kernel_compute(ctx.model, load, lo.micro_batch, batch.seq_len, lo.tp, lo.cp,
                            lo.sequence_parallel, ctx.q, p.residual_bytes, p.fused_attention,
-                           p.dropout, p.recompute_whole_block, ctx.chip, lo.ep, p.eager_modules)
+                           p.dropout, p.recompute_whole_block, ctx.chip, lo.ep, p.eager_modules,
+                           lo.recompute == "op")
 
 
 @lru_cache(maxsize=16384)
 def _kernel_compute(model: ModelDims, load: RankLoad, mb: int, s: int, tp: int, cp: int, sp: bool,
                     q: int, residual: int, fused: bool, dropout: bool, whole: bool,
-                    chip: Chip, ep: int = 1,
-                    eager: bool = False) -> tuple[OpTimes, OpTimes, OpTimes]:
+                    chip: Chip, ep: int = 1, eager: bool = False,
+                    op: bool = False) -> tuple[OpTimes, OpTimes, OpTimes]:
     blocks, recompute, ends = ZERO, ZERO, ZERO
     for kind, count, ck in (("dense", load.dense, load.ck_dense), ("moe", load.moe, load.ck_moe)):
         if not count:
@@ -263,7 +265,7 @@ def _kernel_compute(model: ModelDims, load: RankLoad, mb: int, s: int, tp: int, 
         bt = block_times(model, kind, mb, s, tp, cp, sp, q, residual, fused, dropout, whole, chip,
                          ep, eager)
         blocks = blocks + (bt.forward + bt.backward).scaled(count)
-        recompute = recompute + bt.recompute.scaled(ck)
+        recompute = recompute + (bt.op_recompute if op else bt.recompute).scaled(ck)
     if load.last:
         ends = ends + head_times(model, mb, s, tp, cp, q, residual, chip)
     if load.first:
@@ -280,10 +282,13 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
     a_time = dict.fromkeys(comm.AXES, 0.0)
     exposed: dict[str, float] = {}
     recomputed = load.ck_dense + load.ck_moe
+    op = lo.recompute == "op"
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter pairs) per block forward,
-    # 2 backward, 2 more per recomputed block; 1 for the embedding, 1 for the head.
+    # 2 backward, 2 more per recomputed block; 1 for the embedding, 1 for the head. Per-op
+    # recompute runs one again: the saved reduce-scatters leave the two all-gathers (SP), and
+    # only the attention's all-reduce precedes the last projection (`op_checkpoint`).
     if lo.tp > 1 and not model.opaque:
-        n = 4 * load.blocks + 2 * recomputed + load.first + load.last
+        n = 4 * load.blocks + (1 if op else 2) * recomputed + load.first + load.last
         size: float = q * ctx.local_tokens * h
         one = 2 * comm.all_gather(size, g["tp"]) if lo.sequence_parallel else \
             comm.all_reduce(size, g["tp"])
@@ -293,10 +298,11 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
         exposed["tp"] = comm.pipelined(a_time["tp"], gemm_window, lo.tp) if ctx.overlaps("tp") \
             else a_time["tp"] * (1 - p.tp_overlap)
     # context parallel: each rank's K/V chunk goes around the cp ring (or is all-gathered): cp-1
-    # steps forward, twice that backward (K/V and their gradients), again if recomputed.
+    # steps forward, twice that backward (K/V and their gradients), again if recomputed (per-op
+    # recompute saves the attention's output and does not run it again).
     if lo.cp > 1:
         chunk = 2 * q * ctx.local_tokens * model.kv * model.hd / lo.tp
-        steps = (3 * load.blocks + recomputed) * (lo.cp - 1)
+        steps = (3 * load.blocks + (0 if op else recomputed)) * (lo.cp - 1)
         grp = g["cp"]
         step_t = chunk / grp.bandwidth + (grp.alpha_inter if grp.inter else grp.alpha_intra)
         a_time["cp"] = steps * step_t

@@ -13,6 +13,7 @@ import re
 
 from shardwise.planner.accuracy import Interval, describe
 from shardwise.planner.cost import TERMS, Prediction
+from shardwise.planner.layout import MODELLED_RECOMPUTE
 from shardwise.spec.cluster import GIB, ClusterSpec
 
 #: term -> (what it is, where its figure comes from); "{x}" is filled per layout
@@ -61,7 +62,7 @@ def find(preds: list[Prediction], wanted: str) -> Prediction | None:
     parts = text.split()
     name, extra = parts[0], parts[1:]
     mb = next((int(x[2:]) for x in extra if re.fullmatch(r"mb\d+", x)), None)
-    rc = next((x for x in extra if x in ("none", "selective", "full")), None)
+    rc = next((x for x in extra if x in MODELLED_RECOMPUTE), None)
     return next((p for p in preds if p.layout.name() == name
                  and (mb is None or p.layout.micro_batch == mb)
                  and (rc is None or p.layout.recompute == rc)), None)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.planner.elementwise import eager_bytes, fused_bytes
+from shardwise.planner import op_checkpoint
 from shardwise.planner.models import ModelDims
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts
@@ -100,11 +101,13 @@ ZERO = OpTimes()
 
 @dataclass(frozen=True)
 class BlockTimes:
-    """One block, one micro-batch: forward, backward, and the recomputed forward."""
+    """One block, one micro-batch: forward, backward, and the recomputed forward (of a
+    checkpointed block; `op_recompute` under per-op checkpointing, `planner/op_checkpoint.py`)."""
 
     forward: OpTimes
     backward: OpTimes
     recompute: OpTimes
+    op_recompute: OpTimes = OpTimes()
 
 
 def wave_efficiency(m: int, n: int, sms: int, batch: int = 1) -> float:
@@ -196,7 +199,15 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     backward = OpTimes(gemm=bwd_g, memory=memory_time(bwd_bytes, chip)) + att_b
     recompute = forward if whole_block_recompute else \
         OpTimes(gemm=fwd_g - last_fwd, memory=fwd_m) + att_f
-    return BlockTimes(forward, backward, recompute)
+    # per op: the recomputed projections and every elementwise op again, not the attention
+    op = OpTimes()
+    if kind == "dense" and op_checkpoint.supports_op_checkpoint(model):
+        # column-parallel projections split their output, row-parallel ones their input
+        again = sum(gemm_time(tokens, k, n // tp, chip, q) if split
+                    else gemm_time(tokens, k // tp, n, chip, q)
+                    for k, n, split in op_checkpoint.recomputed(model))
+        op = OpTimes(gemm=again, memory=fwd_m)
+    return BlockTimes(forward, backward, recompute, op)
 
 
 def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd: int, q: int,

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.models import ModelDims
+from shardwise.planner.op_checkpoint import supports_op_checkpoint
 from shardwise.spec.cluster import ClusterSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")  # what shardwise's runtime runs (and the search tries)
+# ... and what the planner also models for other stacks' published runs: "op", torchtitan's
+# per-op selective checkpointing (`planner/op_checkpoint.py`)
+MODELLED_RECOMPUTE = (*RECOMPUTE, "op")
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class Layout:
     cp: int = 1
     ep: int = 1
     micro_batch: int = 1
-    recompute: str = "none"  # none | selective (every `ac_every`-th block) | full
+    recompute: str = "none"  # none | selective (every `ac_every`-th block) | full | op (per-op)
     ac_every: int = 2
     sequence_parallel: bool = False
     # mesh order inside out (`planner.comm.ORDERS`): shardwise's pipeline-outermost mesh, or
@@ -145,8 +149,11 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
         return f"zero {lo.zero} needs dp_shard > 1"
     if lo.zero in (0, 1) and lo.dp * lo.cp > 1 and (lo.tp > 1 or lo.pp > 1) and lo.ep > 1:
         return "DDP / ZeRO-1 with tp or pp does not take ep yet (use zero 2/3)"
-    if lo.recompute not in RECOMPUTE:
+    if lo.recompute not in MODELLED_RECOMPUTE:
         return f"recompute {lo.recompute!r}"
+    if lo.recompute == "op" and not supports_op_checkpoint(model):
+        return ("per-op recompute ('op') is modelled for dense blocks with separate q, k, v "
+                "projections only (no MoE, no MLA)")
     if lo.recompute != "none" and not model.supports_recompute:
         return "activation checkpointing for a model that declares no blocks"
     if model.opaque and (lo.tp > 1 or lo.pp > 1 or lo.cp > 1 or lo.ep > 1 or lo.recompute != "none"):

@@ -102,7 +102,8 @@ under grouped-query attention (q·x·2(a − kv)·hd/h), and the contiguous copy
 output that the output projection saves beside the one attention keeps (q·x·a·hd/h). Without
 them the model under-predicted the GPT's saved activations by 20-30 %.
 A recomputed block keeps only its input (r·x; ÷t under sequence parallel) and, once, the block
-being recomputed. Context parallel divides s by cp. The last stage also keeps the final norm's
+being recomputed; under per-op recompute ("op") every block keeps what the policy saves
+(`planner/op_checkpoint.py`) and, once, the rest of the block being recomputed. Context parallel divides s by cp. The last stage also keeps the final norm's
 input and output and the logits (`CostParams.logits_bytes` per element for the micro-batch at the
 loss, the fp32 log-softmax for others in flight): for one micro-batch, except under GPipe (all m),
 because 1F1B, interleaved 1F1B and ZBV run the last virtual stage's backward straight after its
@@ -118,6 +119,7 @@ from functools import lru_cache
 from shardwise.planner.bubble import RankLoad
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.models import ModelDims
+from shardwise.planner.op_checkpoint import saved_bytes as op_saved_bytes
 from shardwise.planner.params import CostParams
 
 
@@ -323,9 +325,13 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         kept = max(q, res) * tokens * model.hidden / (lo.tp if sp else 1)
         a_dense = block("dense") if load.dense else 0.0
         a_moe = block("moe") if load.moe else 0.0
+        working = max(a_dense if load.ck_dense else 0.0, a_moe if load.ck_moe else 0.0)
+        if lo.recompute == "op":
+            # per op: what the policy saves; a block's backward recomputes the rest of it
+            kept = op_saved_bytes(model, tokens, lo.tp, sp, q, res, params.eager_modules)
+            working = max(working - kept, 0.0)
         per_mb = ((load.dense - load.ck_dense) * a_dense + (load.moe - load.ck_moe) * a_moe
                   + (load.ck_dense + load.ck_moe) * kept)
-        working = max(a_dense if load.ck_dense else 0.0, a_moe if load.ck_moe else 0.0)
         acts = inflight * per_mb + working
         if load.last:
             # the head's tensors live from its forward to its backward: under 1F1B, interleaved

@@ -21,7 +21,7 @@ from shardwise.errors import SpecError
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.figures import MEASURED_KINDS, tokens_per_s
-from shardwise.planner.layout import RECOMPUTE, SCHEDULES, Batch, Layout
+from shardwise.planner.layout import MODELLED_RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims, mla_attention
 from shardwise.planner.params_file import refuse_renamed, validate_params
 from shardwise.spec.checks import choice
@@ -331,7 +331,7 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     for key in ("v", "micro_batch"):
         if spec.get(key, UNKNOWN) != UNKNOWN:
             _whole(spec[key], f"layout.{key}", where)
-    for key, choices in (("schedule", SCHEDULES), ("recompute", RECOMPUTE)):
+    for key, choices in (("schedule", SCHEDULES), ("recompute", MODELLED_RECOMPUTE)):
         choice(f"{where}: layout.{key}", spec.get(key, UNKNOWN), (*choices, UNKNOWN))
     choice(f"{where}: layout.order", spec.get("order", "tp-cp-dp-pp"), tuple(ORDERS))
     if not isinstance(spec.get("sequence_parallel", False), bool) \
