@@ -18,9 +18,9 @@ from torch.utils.checkpoint import (
 from shardwise.compat import TorchDispatchMode, tree_leaves
 from shardwise.models.gpt import GPTConfig, TransformerBlock, rope_tables
 from shardwise.planner import kernels, op_checkpoint
+from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import DEFAULT_PARAMS, predict
 from shardwise.planner.layout import Batch, Layout, layout_problem
-from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.models import ModelDims, preset
 
 # torchtitan's `_save_list`, with the CPU's flash attention kernel beside the CUDA ones

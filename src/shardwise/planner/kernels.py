@@ -50,8 +50,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.planner.elementwise import eager_bytes, fused_bytes
 from shardwise.planner import op_checkpoint
+from shardwise.planner.elementwise import eager_bytes, fused_bytes
 from shardwise.planner.models import ModelDims
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts

@@ -103,12 +103,12 @@ output that the output projection saves beside the one attention keeps (q·x·a�
 them the model under-predicted the GPT's saved activations by 20-30 %.
 A recomputed block keeps only its input (r·x; ÷t under sequence parallel) and, once, the block
 being recomputed; under per-op recompute ("op") every block keeps what the policy saves
-(`planner/op_checkpoint.py`) and, once, the rest of the block being recomputed. Context parallel divides s by cp. The last stage also keeps the final norm's
-input and output and the logits (`CostParams.logits_bytes` per element for the micro-batch at the
-loss, the fp32 log-softmax for others in flight): for one micro-batch, except under GPipe (all m),
-because 1F1B, interleaved 1F1B and ZBV run the last virtual stage's backward straight after its
-forward (an interleaved last rank holds many micro-batches of its earlier chunks, one of its
-last).
+(`planner/op_checkpoint.py`) and, once, the rest of the block being recomputed. Context parallel
+divides s by cp. The last stage also keeps the final norm's input and output and the logits
+(`CostParams.logits_bytes` per element for the micro-batch at the loss, the fp32 log-softmax for
+others in flight): for one micro-batch, except under GPipe (all m), because 1F1B, interleaved 1F1B
+and ZBV run the last virtual stage's backward straight after its forward (an interleaved last rank
+holds many micro-batches of its earlier chunks, one of its last).
 """
 
 from __future__ import annotations
