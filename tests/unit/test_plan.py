@@ -33,6 +33,7 @@ from shardwise.planner.hf_config import dims_from_hf_config
 from shardwise.planner.layout import Batch, Layout, layout_problem
 from shardwise.planner.memory import layer_activation, rank_memory, rank_params
 from shardwise.planner.models import ModelDims, preset
+from shardwise.planner.op_checkpoint import supports_op_checkpoint
 from shardwise.planner.search import SearchSpace, any_fits, search, smallest_cluster
 from shardwise.spec import load_spec
 from shardwise.spec.cluster import (
@@ -496,7 +497,7 @@ batches = st.builds(Batch, global_batch=st.integers(1, 256),
                     seq_len=st.sampled_from([64, 128, 256, 1024, 4096]),
                     precision=st.sampled_from(["fp32", "bf16", "fp16"]))
 SMALL = SearchSpace(max_v=3, max_micro_batch=8)
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "op")
 PROPS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -519,6 +520,7 @@ def test_every_layout_returned_is_valid_and_fits(model, cluster, batch) -> None:
 @given(models(), batches, st.sampled_from([2, 4, 8]), st.sampled_from([1, 2, 4]),
        st.sampled_from(RECOMPUTES), st.integers(1, 4))
 def test_memory_is_monotone_in_zero_stage(model, batch, shard, pp, recompute, mb) -> None:
+    assume(recompute != "op" or supports_op_checkpoint(model))
     pp = min(pp, model.layers)
     batch = dataclasses.replace(batch, global_batch=shard * mb * max(pp, 1) * 2)
     schedule = "1f1b" if pp > 1 else "none"
@@ -538,6 +540,7 @@ def test_memory_is_monotone_in_zero_stage(model, batch, shard, pp, recompute, mb
 @given(models(), batches, st.sampled_from([1, 2, 4]), st.sampled_from([0, 2, 3]),
        st.sampled_from(RECOMPUTES), st.integers(1, 4))
 def test_memory_is_monotone_in_tp(model, batch, shard, zero, recompute, mb) -> None:
+    assume(recompute != "op" or supports_op_checkpoint(model))
     zero = 0 if shard == 1 else max(zero, 2)
     batch = dataclasses.replace(batch, global_batch=shard * mb * 3)
     totals = []
