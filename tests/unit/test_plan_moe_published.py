@@ -195,7 +195,9 @@ def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
     ("stack = { pipeline_local_batch = 8 }\nmeasured = { kind = \"tokens_per_s_per_gpu\", "
      "value = 924.0 }", "stack = { pipeline_local_batch = -8 }\nmeasured = { kind = "
      "\"tokens_per_s_per_gpu\", value = 924.0 }",
-     ["kimi-k2-256gpu", "stack.pipeline_local_batch = -8", "sequences per data-parallel rank"])])
+     ["kimi-k2-256gpu", "stack.pipeline_local_batch = -8", "sequences per data-parallel rank"]),
+    ("micro_batch = 4, recompute = \"full\"", "micro_batch = 4, recompute = \"op\"",
+     ["qwen3-30b-a3b-8gpu", "recompute \"op\"", "dense blocks", "none, selective, full"])])
 def test_a_malformed_moe_row_is_named_field_by_field(tmp_path, old, new, words) -> None:
     message = refusal(MOE, old, new, tmp_path)
     for word in words:
