@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.models.gpt import GPTConfig, TransformerBlock, rope_tables
 from shardwise.planner import kernels
 from shardwise.planner.elementwise import eager_bytes, fused_bytes
 from shardwise.planner.models import ModelDims
 from shardwise.telemetry.traffic import forward_backward_bytes
+from tests.support.blocks import probe_block
 
 # (compute dtype's bytes q, residual bytes r) -> how the block is run: bf16 model (FSDP2's and
 # torchtitan's bf16 parameters and activations), fp32 model under bf16 autocast (shardwise's
@@ -22,12 +22,7 @@ MODES = {(2, 2): (torch.bfloat16, False), (2, 4): (torch.float32, True),
 
 def _counted(h: int, heads: int, kv: int, ffn: int, tokens: int, dtype: torch.dtype,
              autocast: bool) -> tuple[int, int]:
-    cfg = GPTConfig(vocab_size=64, seq_len=tokens, n_layers=1, d_model=h, n_heads=heads,
-                    n_kv_heads=kv, ffn_hidden=ffn)
-    torch.manual_seed(0)
-    block = TransformerBlock(cfg).to(dtype)
-    cos, sin = rope_tables(cfg.head_dim, tokens, cfg.rope_theta)
-    x = torch.randn(1, tokens, h, dtype=dtype, requires_grad=True)
+    block, cos, sin, x = probe_block(h, heads, kv, ffn, tokens, dtype)
     grad = torch.randn(1, tokens, h, dtype=dtype)
 
     def forward() -> torch.Tensor:

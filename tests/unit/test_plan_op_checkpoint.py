@@ -16,12 +16,12 @@ from torch.utils.checkpoint import (
 )
 
 from shardwise.compat import TorchDispatchMode, tree_leaves
-from shardwise.models.gpt import GPTConfig, TransformerBlock, rope_tables
 from shardwise.planner import kernels, op_checkpoint
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import DEFAULT_PARAMS, predict
 from shardwise.planner.layout import Batch, Layout, layout_problem
 from shardwise.planner.models import ModelDims, preset
+from tests.support.blocks import probe_block
 
 # torchtitan's `_save_list`, with the CPU's flash attention kernel beside the CUDA ones
 SAVE = {torch.ops.aten.mm.default,
@@ -50,12 +50,7 @@ def _saved_by_torch(h: int, heads: int, kv: int, ffn: int, tokens: int,
     """Bytes torch's selective checkpoint keeps for one forward of the built-in block under
     torchtitan's policy: the checkpoint's input and the outputs the policy saves (the recorder
     sees every op the policy is asked about, in the same order)."""
-    cfg = GPTConfig(vocab_size=64, seq_len=tokens, n_layers=1, d_model=h, n_heads=heads,
-                    n_kv_heads=kv, ffn_hidden=ffn)
-    torch.manual_seed(0)
-    block = TransformerBlock(cfg).to(dtype)
-    cos, sin = rope_tables(cfg.head_dim, tokens, cfg.rope_theta)
-    x = torch.randn(1, tokens, h, dtype=dtype, requires_grad=True)
+    block, cos, sin, x = probe_block(h, heads, kv, ffn, tokens, dtype)
     decisions: list[tuple[Any, bool]] = []
 
     def context() -> Any:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.models import ModelDims
-from shardwise.planner.op_checkpoint import supports_op_checkpoint
+from shardwise.planner.op_checkpoint import UNSUPPORTED, supports_op_checkpoint
 from shardwise.spec.cluster import ClusterSpec
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -152,8 +152,7 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
     if lo.recompute not in MODELLED_RECOMPUTE:
         return f"recompute {lo.recompute!r}"
     if lo.recompute == "op" and not supports_op_checkpoint(model):
-        return ("per-op recompute ('op') is modelled for dense blocks with separate q, k, v "
-                "projections only (no MoE, no MLA)")
+        return UNSUPPORTED
     if lo.recompute != "none" and not model.supports_recompute:
         return "activation checkpointing for a model that declares no blocks"
     if model.opaque and (lo.tp > 1 or lo.pp > 1 or lo.cp > 1 or lo.ep > 1 or lo.recompute != "none"):

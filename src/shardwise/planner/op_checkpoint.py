@@ -13,11 +13,10 @@ modules those intermediates are most of the memory (module docstring of `planner
 The policy counts matmuls in forward order. It is modelled for blocks with separate projections
 in the order q, k, v, o, w1, (w3,) w2: torchtitan's, Hugging Face's and shardwise's built-in
 block. Counting from one, the odd ones are saved (q, v, w1, and w2 when gated); the even ones are
-recomputed (k, o, and w3 when gated). Two outputs need care:
-- the last projection's output only enters the residual add, whose backward needs nothing;
-- torch's early stop therefore ends the recompute before that projection, whether or not its
-  output was saved.
-MoE and MLA blocks are not modelled: `layout_problem` refuses them.
+recomputed (k, o, and w3 when gated). The last projection's output only enters the residual add,
+whose backward needs nothing, so torch's early stop ends the recompute before it, whether or not
+it was saved. MoE and MLA blocks are not modelled: `layout_problem` and the reference-set loader
+refuse them with `UNSUPPORTED`.
 """
 
 from __future__ import annotations
@@ -25,6 +24,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from shardwise.planner.models import ModelDims
+
+UNSUPPORTED = ("recompute \"op\" (per-op selective checkpointing) is modelled for dense blocks with "
+               "separate q, k, v projections only, not for MoE or latent-attention blocks")
 
 
 def supports_op_checkpoint(model: ModelDims) -> bool:

@@ -23,7 +23,7 @@ from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.figures import MEASURED_KINDS, tokens_per_s
 from shardwise.planner.layout import MODELLED_RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims, mla_attention
-from shardwise.planner.op_checkpoint import supports_op_checkpoint
+from shardwise.planner.op_checkpoint import UNSUPPORTED, supports_op_checkpoint
 from shardwise.planner.params_file import refuse_renamed, validate_params
 from shardwise.spec.checks import choice
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
@@ -254,10 +254,8 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
                         f"{spec['tp'] * spec['pp'] * spec['cp'] * spec['dp']} != gpus {gpus}.")
     _check_ep(spec, model, where)
     if spec.get("recompute") == "op" and not supports_op_checkpoint(model):
-        raise SpecError(f"{where}: recompute \"op\" (per-op selective checkpointing) is modelled "
-                        "for dense blocks with separate q, k, v projections only; this model has "
-                        "MoE or latent-attention blocks. State the row's recompute as none, "
-                        "selective, full or \"unknown\".")
+        raise SpecError(f"{where}: {UNSUPPORTED}. State the row's recompute as none, selective, "
+                        "full or \"unknown\".")
     cluster = _cluster(source, gpus, where)
     batch = Batch(global_batch=global_batch, seq_len=seq_len, precision=precision)
     unknown = tuple(k for k, v in spec.items() if v == UNKNOWN)
