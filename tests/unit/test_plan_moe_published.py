@@ -19,7 +19,6 @@ from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import (
     DEFAULT_PARAMS,
     chip_for,
-    pipeline_calls,
     predict,
     predict_memory,
 )
@@ -323,17 +322,19 @@ def test_routed_experts_are_grouped_gemms_of_their_own_rows() -> None:
 def test_gradient_accumulation_around_the_pipeline_fills_and_drains_it_every_call() -> None:
     """`pipeline_local_batch` (AutoModel's LBS): the step's m micro-batches run as m / LBS calls
     of the schedule, each with its own bubble, and each holds only its own micro-batches in
-    flight; the gradients still accumulate over all of them. Without pipeline parallel, or at 0,
-    nothing changes."""
-    assert pipeline_calls(Layout(pp=4, v=8, schedule="interleaved-1f1b"), 32,
-                          CostParams(pipeline_local_batch=8)) == (8, 4)
-    assert pipeline_calls(Layout(pp=4, micro_batch=2, schedule="1f1b"), 16,
-                          CostParams(pipeline_local_batch=8)) == (4, 4)
-    assert pipeline_calls(Layout(pp=4, schedule="1f1b"), 4,
-                          CostParams(pipeline_local_batch=8)) == (4, 1)
-    assert pipeline_calls(Layout(dp_shard=8, zero=2), 32,
-                          CostParams(pipeline_local_batch=8)) == (32, 1)
-    assert pipeline_calls(Layout(pp=4, schedule="1f1b"), 32, CostParams()) == (32, 1)
+    flight. Every call ends in torch's REDUCE_GRAD (torch/distributed/pipelining/schedules.py
+    `_add_reduce_grad`, stage.py `perform_reduce_grad`): FSDP reduce-scatters the stage's
+    gradients and reshards its parameters, so a step of 4 calls reduce-scatters and (ZeRO-2)
+    gathers 4 times, and a call's forwards meet only its own unsharded gradients, beside the
+    shards earlier calls left. Without pipeline parallel, or at 0, nothing changes."""
+    def calls(lo: Layout, m: int, local_batch: int) -> tuple[int, int]:
+        return lo.pipeline_calls(m, local_batch)
+
+    assert calls(Layout(pp=4, v=8, schedule="interleaved-1f1b"), 32, 8) == (8, 4)
+    assert calls(Layout(pp=4, micro_batch=2, schedule="1f1b"), 16, 8) == (4, 4)
+    assert calls(Layout(pp=4, schedule="1f1b"), 4, 8) == (4, 1)
+    assert calls(Layout(dp_shard=8, zero=2), 32, 8) == (32, 1)
+    assert calls(Layout(pp=4, schedule="1f1b"), 32, 0) == (32, 1)
     model = preset("deepseek-v3")
     cluster = resolve_cluster("dgx-h100", nodes=128)
     batch = Batch(8192, 4096)
@@ -342,18 +343,33 @@ def test_gradient_accumulation_around_the_pipeline_fills_and_drains_it_every_cal
     one = predict(lo, model, cluster, batch, CostParams())
     four = predict(lo, model, cluster, batch, CostParams(pipeline_local_batch=8))
     assert four.breakdown["bubble"] == pytest.approx(4 * one.breakdown["bubble"])
+    exposed_dp = sum(four.breakdown[k] - one.breakdown[k] for k in ("dp_sync", "param_gather"))
     assert four.step_time_s - one.step_time_s == pytest.approx(
-        3 * one.breakdown["bubble"], rel=0.02)
+        3 * one.breakdown["bubble"] + exposed_dp, rel=1e-9)
+    # FSDP's reduce-scatter and ZeRO-2's gather once a call: 4 times the bytes of one call
+    assert four.comm_bytes["dp_shard"] == pytest.approx(4 * one.comm_bytes["dp_shard"])
+    _, distinct, _ = rank_groups(model, lo.pp, lo.v, lo.schedule, 4096, lo.recompute,
+                                 lo.ac_every, "even")
+    per_call = dp_comm(model, distinct[0], lo, 32, "bf16", cluster,
+                       CostParams(pipeline_local_batch=8))
+    whole = dp_comm(model, distinct[0], lo, 32, "bf16", cluster, CostParams())
+    assert (per_call.calls, whole.calls) == (4, 1)
+    assert per_call.sync == whole.sync and per_call.param_gather == whole.param_gather
     # interleaved rounds of pp micro-batches hold the same in flight in a call of 8 as of 32
     assert four.memory.activations == one.memory.activations
-    assert four.memory.grads == one.memory.grads  # accumulated over all 32 either way
+    # a call of 8 holds its own unsharded gradients and the shards of the earlier calls: a
+    # rank near the front reaches fewer of its chunks in backward before its peak in one call
+    # of 8 than in one of 32, never more than the whole step's plus the shards
+    shards = four.memory.grads_at_step
+    assert four.memory.grads <= one.memory.grads + shards
     mem, _ = predict_memory(lo, model, batch, CostParams(pipeline_local_batch=8))
     assert mem.total == four.memory.total
     # 1F1B with calls of 2 micro-batches on 8 stages: rank 0 holds 2, not 8
     plain = Layout(dp_shard=128, zero=2, ep=64, pp=8, schedule="1f1b", recompute="full")
-    whole, _ = predict_memory(plain, model, batch, CostParams())
-    calls, _ = predict_memory(plain, model, batch, CostParams(pipeline_local_batch=2))
-    assert calls.activations < whole.activations / 2  # (plus one recomputed block either way)
+    whole_mem, _ = predict_memory(plain, model, batch, CostParams())
+    call_mem, _ = predict_memory(plain, model, batch, CostParams(pipeline_local_batch=2))
+    assert call_mem.activations < whole_mem.activations / 2  # (plus one recomputed block)
+    assert call_mem.grads == pytest.approx(whole_mem.grads + call_mem.grads_at_step)
 
 
 def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:

@@ -13,7 +13,8 @@ Step time, per pipeline rank r and micro-batch (m per step):
             + exposed gradient reduction + the per-step parameter all-gather (ZeRO-1's of
               the updated shards; ZeRO-2's under pipeline parallel) + the optimizer step
 (calls: 1, or the step's calls of the pipeline schedule where gradient accumulation runs
-around it, `CostParams.pipeline_local_batch`; each fills and drains the pipeline) with
+around it, `CostParams.pipeline_local_batch`; each fills and drains the pipeline, and under
+FSDP each ends in torch's REDUCE_GRAD, so the reduction and ZeRO-2's gather come once a call) with
 `comm.exposed(comm, window, overlap)` the part not hidden behind compute (TP collectives a
 framework overlaps are pipelined chunk by chunk with their GEMMs instead: `comm.pipelined`), and
 on a GPU `CostParams.step_host_s` of host work per step on top.
@@ -38,7 +39,6 @@ Memory is itemised in `planner/memory.py`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -140,12 +140,16 @@ class _RankStep:
     counts_step: dict[str, float]
     host_extra: float  # what host work adds to tau
     terms_mb: dict[str, float]  # per micro-batch: compute classes and exposed comm
-    terms_step: dict[str, float]  # per step: param_gather, optimizer, overhead
+    terms_step: dict[str, float]  # per step: param_gather (per call), optimizer, overhead
+    sync_calls: int = 1  # the reduction and parameter gather repeat once a schedule call
 
     def sync(self, drain: float, overlap: float) -> dict[str, float]:
-        """The per-step tail, given the pipeline's drain (idle time the reduction can use)."""
+        """The per-step tail, given the pipeline's drain (idle time the reduction can use): the
+        reduction and the parameter gather once a call of the schedule (`DpComm.calls`)."""
         window = self.sync_window + (drain if self.drain_overlap else 0.0)
-        return {**self.terms_step, "dp_sync": comm.exposed(self.sync_comm, window, overlap)}
+        n = self.sync_calls
+        return {**self.terms_step, "param_gather": n * self.terms_step.get("param_gather", 0.0),
+                "dp_sync": n * comm.exposed(self.sync_comm, window, overlap)}
 
 
 def _groups(lo: Layout, cluster: ClusterSpec, params: CostParams) -> tuple[dict[str, comm.Group],
@@ -168,7 +172,7 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
                pp_inter)
     per_load = [_rank_step(ctx, load) for load in distinct]
     taus = [per_load[i].tau for i in index]
-    per_call, calls = pipeline_calls(lo, m, params)
+    per_call, calls = lo.pipeline_calls(m, params.pipeline_local_batch)
     worst_mem, worst_rank = _peak_memory(lo, model, batch, distinct, index, per_call, params,
                                          cluster.cluster.device, calls)
     busiest = max(range(len(distinct)), key=lambda i: sum(per_load[i].axis_bytes.values()))
@@ -216,16 +220,6 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
                       comm_time_s=per_load[busiest].axis_time, reason=reason,
                       overhead_s=overhead, overhead_counts=counts, breakdown=breakdown,
                       placement=placement, pod_bound=pod_bound)
-
-
-def pipeline_calls(lo: Layout, m: int, params: CostParams) -> tuple[int, int]:
-    """(micro-batches one call of the pipeline schedule runs, calls per step): one call of all
-    m unless the stack runs gradient accumulation around the schedule
-    (`CostParams.pipeline_local_batch`)."""
-    if lo.pp <= 1 or params.pipeline_local_batch <= 0:
-        return m, 1
-    per_call = min(max(params.pipeline_local_batch // lo.micro_batch, 1), m)
-    return per_call, math.ceil(m / per_call)
 
 
 def _bubble_slots(lo: Layout, model: ModelDims, s: int, load: RankLoad) -> float:
@@ -333,11 +327,12 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
         a_bytes["pp"] = n_p2p * size
         exposed["pp"] = comm.exposed(a_time["pp"], t_comp, p.overlap) if ctx.overlaps("pp") \
             else a_time["pp"]
-    sync_parts, (sync_comm, sync_window, drain) = _data_parallel(ctx, load, t_comp, a_time,
-                                                                 a_bytes, exposed)
+    sync_parts, (sync_comm, sync_window, drain, sync_calls) = _data_parallel(
+        ctx, load, t_comp, a_time, a_bytes, exposed)
     tau = t_comp + sum(exposed.values())
     # framework overhead: added on a CPU, overlapped with the kernels on a GPU (docstring)
-    per_mb, per_step_n = overhead_counts(lo, model, load, ctx.batch, m)
+    per_mb, per_step_n = overhead_counts(lo, model, load, ctx.batch, m,
+                                         lo.pipeline_calls(m, p.pipeline_local_batch)[1])
     host = sum(n * getattr(p, k) for k, n in per_mb.items())
     device_tau = tau
     if ctx.cluster.cluster.device == "cpu":
@@ -353,6 +348,7 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
                 "output_and_loss": ends.total if ctx.chip is not None else 0.0,
                 "recompute": recompute.total, **exposed}
     return _RankStep(tau=tau, sync_comm=sync_comm, sync_window=sync_window, drain_overlap=drain,
+                     sync_calls=sync_calls,
                      axis_bytes={a: v * per_step[a] for a, v in a_bytes.items()},
                      axis_time={a: v * per_step[a] for a, v in a_time.items()},
                      counts_mb=per_mb, counts_step=per_step_n, host_extra=tau - device_tau,
@@ -369,11 +365,12 @@ def _attn_window(ctx: _Ctx, load: RankLoad) -> float:
 
 def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, float],
                    a_bytes: dict[str, float], exposed: dict[str, float]
-                   ) -> tuple[dict[str, float], tuple[float, float, bool]]:
+                   ) -> tuple[dict[str, float], tuple[float, float, bool, int]]:
     """Data-parallel terms: FSDP's gathers per micro-batch (into `exposed`); the per-step tail
     (ZeRO-1's parameter all-gather, the optimizer step); and the gradient reduction after the
     last backward as (its time, the compute it hides behind, whether the pipeline's drain hides
-    it too), which `predict` resolves once the bubble is known."""
+    it too, how many calls of the schedule a step repeats it and the parameter gather), which
+    `predict` resolves once the bubble is known."""
     lo, p = ctx.lo, ctx.params
     dc = dp_comm(ctx.model, load, lo, ctx.m, ctx.batch.precision, ctx.cluster, p)
     a_time["dp_shard"] += dc.time_shard
@@ -396,7 +393,7 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
                                           ctx.chip, p.state_in_compute_dtype,
                                           compute_bytes(ctx.batch.precision))
     window = t_comp * 2 / 3 if overlapped else 0.0
-    return out, (dc.sync, window, overlapped and lo.pp > 1)
+    return out, (dc.sync, window, overlapped and lo.pp > 1, dc.calls)
 
 
 def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
@@ -408,7 +405,8 @@ def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
     lo = layout
     _, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, batch.seq_len, lo.recompute,
                                      lo.ac_every, params.pp_split)
-    per_call, calls = pipeline_calls(lo, max(lo.micro_batches(batch), 1), params)
+    per_call, calls = lo.pipeline_calls(max(lo.micro_batches(batch), 1),
+                                         params.pipeline_local_batch)
     return _peak_memory(lo, model, batch, distinct, index, per_call, params, device, calls)
 
 
@@ -420,9 +418,9 @@ def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, in
     schedule, of `calls` a step): per kind of rank, the one holding most. Cached: the search
     asks for a layout's memory before it predicts its time."""
     held = flights(lo.schedule, lo.pp, lo.v, m)
-    # a later call's forwards meet the gradients the earlier calls accumulated
-    shares = [grad_share_at_peak(lo.schedule, lo.pp, lo.v, m, r) if calls == 1 else 1.0
-              for r in range(len(index))]
+    # every call of the schedule ends in torch's REDUCE_GRAD, which frees the unsharded
+    # gradients: each call's forwards meet only its own (and the shards of earlier calls)
+    shares = [grad_share_at_peak(lo.schedule, lo.pp, lo.v, m, r) for r in range(len(index))]
     most: dict[tuple[int, float], int] = {}  # per kind of rank and gradient share
     for r, i in enumerate(index):
         key = (i, shares[r])
@@ -430,7 +428,8 @@ def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, in
             most[key] = r
     worst: tuple[MemoryBreakdown | None, int] = (None, 0)
     for (i, share), r in most.items():
-        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, share)
+        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, share,
+                          calls)
         if worst[0] is None or mem.total > worst[0].total:
             worst = (mem, r)
     assert worst[0] is not None

@@ -1,12 +1,15 @@
 """Data-parallel communication of one rank per step, before overlap: FSDP's per-unit all-gathers
 and reduce-scatters (`CostParams.reduce_every_micro_batch`: every micro-batch, or once after the
 last backward; under pipeline parallel ZeRO-2 keeps the stage gathered and gathers once per
-step, a per-step term like ZeRO-1's), HSDP's all-reduce across replicas, DDP's bucketed
-all-reduce, Megatron's distributed optimizer (reduce-scatter of the gradients, all-gather of the
-low-precision parameters) and shardwise's ZeRO-1 (all-reduce, then one all-gather per parameter
-tensor); under expert parallel the routed experts' gradients and shards on the expert-data-parallel
-group (the ranks holding the same experts), the rest on data parallel. How much of it hides
-behind compute is the cost model's business (`planner/cost.py`).
+step, a per-step term like ZeRO-1's; where the stack runs gradient accumulation around the
+pipeline schedule, `CostParams.pipeline_local_batch`, torch's schedule reduce-scatters and
+reshards at the end of every call, so both repeat once a call: `DpComm.calls`), HSDP's
+all-reduce across replicas, DDP's bucketed all-reduce, Megatron's distributed optimizer
+(reduce-scatter of the gradients, all-gather of the low-precision parameters) and shardwise's
+ZeRO-1 (all-reduce, then one all-gather per parameter tensor); under expert parallel the routed
+experts' gradients and shards on the expert-data-parallel group (the ranks holding the same
+experts), the rest on data parallel. How much of it hides behind compute is the cost model's
+business (`planner/cost.py`).
 Cached: the search predicts many layouts that differ only in micro-batch and recompute."""
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ class DpComm:
 
     gather_per_mb: float  # FSDP's all-gathers, per micro-batch
     early_reduce_per_mb: float  # reduce-scatters run under the next micro-batch's backward
-    sync: float  # the reduction after the last backward
-    param_gather: float  # per step: ZeRO-1's gather of the updated shards, ZeRO-2's under PP
+    sync: float  # the reduction after the last backward (of each call)
+    param_gather: float  # per step (call): ZeRO-1's gather of the updated shards, ZeRO-2's under PP
     shard_params: float  # parameters the rank's optimizer updates
     time_shard: float
     time_replicate: float
     bytes_shard: float
     bytes_replicate: float
     replicate_axis: bool  # DDP: the reduction runs on dp_replicate
+    calls: int = 1  # how often `sync` and `param_gather` run a step: FSDP's, once a pipeline call
 
 
 def gathers_once_per_step(lo: Layout) -> bool:
@@ -65,7 +69,8 @@ def dp_comm(model: ModelDims, load: RankLoad, lo: Layout, m: int, precision: str
     return _dp_comm(model, load, lo.zero, lo.dp_shard, lo.dp_replicate, lo.tp, lo.cp, lo.ep,
                     lo.pp, lo.order, m, precision, cluster, p.bandwidth_efficiency,
                     p.collective_latency_s, p.grad_bytes, p.low_precision_params,
-                    p.reduce_every_micro_batch, p.state_in_compute_dtype)
+                    p.reduce_every_micro_batch, p.state_in_compute_dtype,
+                    lo.pipeline_calls(m, p.pipeline_local_batch)[1])
 
 
 @lru_cache(maxsize=65536)
@@ -73,7 +78,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
              tp: int, cp: int, ep: int, pp: int, order: str, m: int, precision: str,
              cluster: ClusterSpec, bandwidth_efficiency: float, latency: float, gb: int,
              low_precision_params: bool, reduce_every_micro_batch: bool,
-             state_in_compute_dtype: bool) -> DpComm:
+             state_in_compute_dtype: bool, calls: int = 1) -> DpComm:
     lo = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero=zero, tp=tp, cp=cp, ep=ep,
                 pp=pp, order=order)
     g, _ = comm.mesh_groups(tp, cp, dp_shard, dp_replicate, pp, ep, order, cluster,
@@ -88,7 +93,7 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
         # when the whole model is (`CostParams.state_in_compute_dtype`)
         gather_other = compute_bytes(precision) if state_in_compute_dtype else 4
         gather = gather_linear * rp.linear + gather_other * rp.other
-        gathers = fsdp_gathers(lo, m)
+        gathers = fsdp_gathers(lo, m, calls)
         # FSDP gathers (and reduce-scatters) unit by unit: one collective's latency per unit
         units = fsdp_units(model, load, precision)
         lat = (units - 1) * comm.all_gather(1.0, g["shard"])
@@ -96,21 +101,21 @@ def _dp_comm(model: ModelDims, load: RankLoad, zero: int, dp_shard: int, dp_repl
             gather_linear * expert_p, g["shard_experts"]) + lat
         t_rs = comm.reduce_scatter(gb * dense_p, g["shard"]) + comm.reduce_scatter(
             gb * expert_p, g["shard_experts"]) + lat
-        reductions = m if reduce_every_micro_batch else 1
+        reductions = m if reduce_every_micro_batch else calls
         t_ar = comm.all_reduce(gb * (dense_p / nd + expert_p / ne), g["replicate"])
         once = gathers_once_per_step(lo)
         return DpComm(
             gather_per_mb=0.0 if once else gathers * t_ag / m,
-            early_reduce_per_mb=(reductions - 1) * t_rs / m,
+            early_reduce_per_mb=(reductions - calls) * t_rs / m,
             sync=t_rs + t_ar, param_gather=t_ag if once else 0.0,
             shard_params=dense_p / nd + expert_p / ne,
-            time_shard=gathers * t_ag + reductions * t_rs, time_replicate=t_ar,
+            time_shard=gathers * t_ag + reductions * t_rs, time_replicate=t_ar * calls,
             bytes_shard=gathers * ((nd - 1) / nd * gather + (ne - 1) / ne * gather_linear
                                    * expert_p)
             + reductions * ((nd - 1) / nd * gb * dense_p + (ne - 1) / ne * gb * expert_p),
             bytes_replicate=2 * (lo.dp_replicate - 1) / lo.dp_replicate * gb * (
-                dense_p / nd + expert_p / ne),
-            replicate_axis=False)
+                dense_p / nd + expert_p / ne) * calls,
+            replicate_axis=False, calls=calls)
     if lo.dp <= 1:
         return DpComm(0.0, 0.0, 0.0, 0.0, dense_p + expert_p, 0.0, 0.0, 0.0, 0.0, False)
     distributed = lo.zero == 1 and low_precision_params

@@ -10,6 +10,7 @@ running them (`Layout.available` says so).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardwise.planner.comm import ORDERS
@@ -83,6 +84,17 @@ class Layout:
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
         return batch.global_batch // (self.dp * self.micro_batch)
+
+    def pipeline_calls(self, m: int, local_batch: int) -> tuple[int, int]:
+        """(micro-batches one call of the pipeline schedule runs, calls per step) of a step of
+        `m` micro-batches: one call of all m unless the stack runs gradient accumulation around
+        the schedule, `local_batch` sequences a call (`CostParams.pipeline_local_batch`; 0:
+        none). Every call fills and drains the pipeline, and under FSDP ends in torch's
+        REDUCE_GRAD: the stages' gradients reduce-scattered and their parameters resharded."""
+        if self.pp <= 1 or local_batch <= 0:
+            return m, 1
+        per_call = min(max(local_batch // self.micro_batch, 1), m)
+        return per_call, math.ceil(m / per_call)
 
     def name(self) -> str:
         parts = []

@@ -31,7 +31,11 @@ chunk, and by the end of the steady phase it has reached only some of the rank's
 (`bubble.grad_share_at_peak`; one chunk where a rank runs every forward before its first
 backward, as Llama 3 405B's front ranks do at m = pp = 16). The rank holds at its peak either
 every activation and those chunks' gradients, or the last chunk's activations and every
-gradient, whichever is more. Other schedules count them together.
+gradient, whichever is more. Other schedules count them together. Where the stack runs
+gradient accumulation around the pipeline schedule (`CostParams.pipeline_local_batch`: several
+calls a step), every call ends in torch's REDUCE_GRAD, which reduce-scatters the stage's
+gradients and frees the unsharded ones: a call holds its own unsharded gradients beside the
+shards the earlier calls left, never the whole step's.
 
 With `CostParams.low_precision_params` (Megatron's policy, for published runs) ZeRO-0/1 hold the
 parameters in the compute dtype (q bytes), the gradients in a main-grad buffer of
@@ -239,11 +243,13 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
 
 def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
                 inflight: float, params: CostParams, device: str = "cuda",
-                grad_share: float = 1.0) -> MemoryBreakdown:
+                grad_share: float = 1.0, calls: int = 1) -> MemoryBreakdown:
     """Peak bytes on one pipeline rank of a `device` ("cuda" or "cpu": the optimizer's
     workspace, the allocator's fragmentation and the runtime's overhead differ). `grad_share`
     < 1: the share of the rank's chunks whose FSDP gradients exist while its activations peak
-    (`bubble.grad_share_at_peak`; module docstring)."""
+    (`bubble.grad_share_at_peak`; module docstring). `calls` > 1: the step runs that many calls
+    of the pipeline schedule, each ending in a reduce-scatter, so FSDP's unsharded gradients
+    accumulate over one call beside the shards the earlier calls left."""
     lo = layout
     q = compute_bytes(batch.precision)
     gather_linear = 2 if batch.precision == "bf16" else 4
@@ -257,6 +263,7 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
     buffers = 0.0
     g_bytes = params.grad_bytes
     low = params.state_in_compute_dtype  # no fp32 master, moments in the compute dtype
+    held_shards = 0.0
     moments = 2 * q if low else 8
     if lo.zero <= 1 and (params.low_precision_params or low):
         # Megatron: parameters in the compute dtype, gradients in a contiguous main-grad buffer
@@ -299,6 +306,8 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         # FSDP that reduce-scatters every micro-batch accumulates the shards
         grads = g_bytes * full if accumulate and not params.reduce_every_micro_batch \
             else grads_step
+        if calls > 1 and grads > grads_step:
+            held_shards = grads_step  # reduced by the earlier calls, beside this call's
         opt = moments * shard
         optimized = shard
         # one unit's staging at a time: in forward its flat all-gather output and input copy,
@@ -356,6 +365,7 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
             grads *= grad_share
         else:
             acts /= lo.v
+    grads += held_shards
     cpu = device == "cpu"
     workspace = 4 * optimized if cpu else 0.0  # foreach AdamW's sqrt of the second moments
     allocated = p_bytes + gathered + grads + opt + acts + buffers + workspace

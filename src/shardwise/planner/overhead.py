@@ -18,17 +18,19 @@ def fsdp_units(model: ModelDims, load: Any, precision: str) -> int:
     return load.blocks * (2 if precision == "bf16" else 1) + 1
 
 
-def fsdp_gathers(lo: Layout, m: int) -> int:
+def fsdp_gathers(lo: Layout, m: int, calls: int = 1) -> int:
     """All-gathers of each FSDP unit per step: ZeRO-2 keeps the parameters from forward to
     backward (one per micro-batch), ZeRO-3 gathers again for backward; under pipeline parallel
-    the schedule's hooks gather once per step (ZeRO-2) or once per micro-batch plus one."""
+    the schedule's hooks gather once per call of the schedule (ZeRO-2: torch's REDUCE_GRAD
+    reshards at the end of each of the step's `calls`) or once per micro-batch plus once a
+    call."""
     if lo.pp == 1:
         return m if lo.zero == 2 else 2 * m
-    return 1 if lo.zero == 2 else m + 1
+    return calls if lo.zero == 2 else m + calls
 
 
 def overhead_counts(lo: Layout, model: ModelDims, load: Any, batch: Batch,
-                    m: int) -> tuple[dict[str, float], dict[str, float]]:
+                    m: int, calls: int = 1) -> tuple[dict[str, float], dict[str, float]]:
     """The framework-overhead op counts of one rank (keys: `OVERHEAD_FIELDS`): per micro-batch
     (FSDP units and their gathers, tensor-parallel linears, ring-attention chunks) and per step
     (ZeRO-1's parameter tensors). Times are counts x the `CostParams` coefficients."""
@@ -38,7 +40,7 @@ def overhead_counts(lo: Layout, model: ModelDims, load: Any, batch: Batch,
     if lo.zero >= 2 and lo.dp_shard * lo.cp > 1:
         units = fsdp_units(model, load, batch.precision)
         per_mb["fsdp_unit_overhead_s"] = float(units)
-        per_mb["fsdp_gather_overhead_s"] = units * fsdp_gathers(lo, m) / m
+        per_mb["fsdp_gather_overhead_s"] = units * fsdp_gathers(lo, m, calls) / m
     elif lo.zero == 1 and lo.dp > 1:
         per_step["zero1_tensor_overhead_s"] = float(param_tensors(model, load))
     if lo.tp > 1 and not model.opaque:
