@@ -612,6 +612,8 @@ def test_cli_human_output_and_exit_1_with_the_smallest_cluster(capsys) -> None:
     (["--model", "BADJSON", "--cluster", "dgx-h100"], ["'num_attention_heads'"]),
     (["--model", "gpt-default", "--cluster", "cpu-local", "--global-batch-tokens", "lots"],
      ["--global-batch-tokens"]),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--seq-len", "0"],
+     ["--seq-len 0", "at least one token"]),
 ])
 def test_cli_malformed_inputs_exit_2_naming_the_field(tmp_path: Path, capsys, argv, words) -> None:
     bad_cluster = _write(tmp_path, '[cluster]\nbase = "dgx-h100"\nnodes = 0\n')

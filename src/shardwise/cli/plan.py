@@ -102,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     model, base = resolve_model(args.model)
     if base is not None:  # a RunSpec says how its blocks run: torch.compile fuses their kernels
         params = dataclasses.replace(params, eager_modules=not base.memory.compile)
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UserError(f"--seq-len {args.seq_len}: a sequence has at least one token.")
     seq = args.seq_len or (base.data.seq_len if base is not None and not base.data.is_samples
                            else model.seq_len) or 1
-    if seq < 1:
-        raise UserError(f"--seq-len {seq}: a sequence has at least one token.")
     global_batch = _global_batch(args, model, base, seq)
     precision = args.precision or (base.run.precision if base is not None else
                                    "fp32" if cluster.cluster.device == "cpu" else "bf16")
