@@ -102,6 +102,8 @@ def test_gpu_peak_table_by_name_and_precision(monkeypatch):
         ("NVIDIA A100 80GB PCIe", "fp16"): 312e12,
         ("NVIDIA L40S", "bf16"): 362.05e12,
         ("NVIDIA L4", "bf16"): 121e12,
+        ("NVIDIA B200", "bf16"): 2250e12,  # HGX / DGX B200, 1,000 W
+        ("NVIDIA GB200", "bf16"): 2500e12,  # the GB200's, 1,200 W: not read as a B200
         ("NVIDIA H100 80GB HBM3", "fp32"): 66.9e12,  # "highest" precision: no TF32
         ("NVIDIA H100 NVL", "fp32"): 60e12,
         ("NVIDIA A100-SXM4-80GB", "fp32"): 19.5e12,

@@ -68,7 +68,7 @@ def test_gpu_presets_agree_with_the_telemetry_peak_table() -> None:
 
     table = {name: peaks for _, name, peaks in GPU_PEAKS}
     for preset_name, gpu in (("dgx-h100", "H100 SXM"), ("h200-nvl8", "H200 SXM"),
-                             ("a100-80g", "A100")):
+                             ("dgx-b200", "B200"), ("a100-80g", "A100")):
         peak = CLUSTERS[preset_name]().peak_tflops
         for dtype in ("bf16", "fp16", "tf32", "fp32"):
             assert getattr(peak, dtype) * 1e12 == pytest.approx(table[gpu][dtype]), (preset_name, dtype)

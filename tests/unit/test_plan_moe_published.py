@@ -125,6 +125,16 @@ def test_an_moe_models_interval_comes_from_the_moe_rows() -> None:
     assert accuracy.interval("", moe=True) is None
 
 
+def test_the_moe_bands_generations_are_the_moe_files(rows) -> None:
+    """The MoE band says when a device's generation has no published MoE run: it knows which
+    generations the file's rows ran on (`accuracy.MOE_GENERATIONS`), held to the file here."""
+    assert set(accuracy.MOE_GENERATIONS) == {r.cluster.device.generation for r in rows}
+    blackwell = accuracy.interval("blackwell", moe=True)
+    assert blackwell is not None and blackwell.unseen == "blackwell"
+    assert "none on blackwell" in blackwell.drawn_from()
+    assert accuracy.interval("hopper", moe=True).unseen == ""  # type: ignore[union-attr]
+
+
 def test_the_generated_module_carries_the_moe_ratios(rows, tmp_path) -> None:
     class _V:  # the parts of a Validation fitted_module reads
         path = MOE

@@ -360,3 +360,34 @@ def test_the_interval_is_the_held_out_residuals_quantiles() -> None:
         [1.4, 3.0, 4.6])  # numpy's linear interpolation
     text = accuracy.describe(0.41, band)
     assert text.startswith("41.0 % MFU, ") and "on comparable published runs" in text
+    assert band.unseen == "" and "none on" not in text
+
+
+def test_blackwell_runs_at_hoppers_fitted_efficiencies_and_its_band_says_so() -> None:
+    """No published Blackwell bf16 training run is in the reference set: a B200 gets Hopper's
+    fitted kernel efficiencies against its own peak, HBM and SMs, and its band is drawn from
+    every generation's runs with "none on blackwell" said wherever it is printed."""
+    from shardwise.planner.cluster import resolve_cluster
+    from shardwise.planner.cost import chip_for, predict
+    from shardwise.planner.layout import Batch
+    from shardwise.planner.models import preset
+
+    b200, h100 = resolve_cluster("dgx-b200", nodes=2), resolve_cluster("dgx-h100", nodes=2)
+    batch = Batch(global_batch=64, seq_len=4096)
+    chip_b, chip_h = chip_for(b200, batch, DEFAULT_PARAMS), chip_for(h100, batch, DEFAULT_PARAMS)
+    assert chip_b is not None and chip_h is not None
+    assert (chip_b.gemm, chip_b.attention, chip_b.k_half) == (chip_h.gemm, chip_h.attention,
+                                                            chip_h.k_half)
+    assert (chip_b.peak, chip_b.sms) == (2250e12, 148) and chip_b.hbm > 2 * chip_h.hbm
+    # the same layout's GEMMs take the peaks' ratio of the H100's time, but for how the tiles
+    # fill 148 SMs against 132 (wave quantisation: a few per cent either way)
+    lo = Layout(dp_shard=16, zero=2, micro_batch=1)
+    model = preset("llama3-8b")
+    gemm_b = predict(lo, model, b200, batch, DEFAULT_PARAMS).breakdown["gemm"]
+    gemm_h = predict(lo, model, h100, batch, DEFAULT_PARAMS).breakdown["gemm"]
+    assert gemm_b == pytest.approx(gemm_h * 989.4 / 2250, rel=0.05)
+    band = accuracy.interval("blackwell")
+    assert band is not None and band.basis == "all" and band.unseen == "blackwell"
+    assert band.runs == sum(len(v) for v in HELD_OUT_RATIOS.values())
+    assert "none on blackwell" in band.drawn_from()
+    assert "none on blackwell" in accuracy.describe(0.40, band)

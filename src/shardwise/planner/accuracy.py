@@ -6,7 +6,7 @@ predicts its MFU with efficiencies fitted on the other sources only, and `planne
 keeps measured / predicted for every row, by hardware generation. A prediction's interval is its
 MFU (and tokens/s, and so its days and cost) times the 10th and 90th percentiles of those
 ratios on comparable runs: the same generation when it has at least `MIN_COMPARABLE` rows, else
-every row. A mixture-of-experts model's band comes from the published MoE runs instead
+every row (and the band says when none is of the device's generation: Blackwell's today). A mixture-of-experts model's band comes from the published MoE runs instead
 (benchmarks/published_moe.toml, `MOE_RATIOS`: predicted by the fit on the dense rows, none of
 them in it), which the dense rows' band would flatter. It says what the published record says of
 this model's error, not a statistical confidence: the rows are few and not a random sample of
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from shardwise.planner.fitted import HELD_OUT_RATIOS, MOE_RATIOS
 
 MIN_COMPARABLE = 5
+#: the generations of the published MoE runs' devices (a test holds it to the file)
+MOE_GENERATIONS = ("hopper",)
 LOW_Q, HIGH_Q = 0.10, 0.90
 
 
@@ -32,17 +34,19 @@ class Interval:
     high: float  # ... at the 90th
     runs: int  # how many held-out published runs it is drawn from
     basis: str  # "hopper", "ampere", "all" or "moe"
+    unseen: str = ""  # the device's generation where the published runs have none of it
 
     def around(self, value: float) -> tuple[float, float]:
         return value * self.low, value * self.high
 
     def drawn_from(self) -> str:
         """What the band's ratios are, in words."""
+        none = f" (none on {self.unseen})" if self.unseen else ""
         if self.basis == "moe":
-            return (f"{self.runs} published MoE runs (benchmarks/published_moe.toml), predicted "
-                    "by the fit on the dense runs, none of them in it")
+            return (f"{self.runs} published MoE runs{none} (benchmarks/published_moe.toml), "
+                    "predicted by the fit on the dense runs, none of them in it")
         kind = "" if self.basis == "all" else self.basis + " "
-        return f"{self.runs} published {kind}runs, each predicted without its source"
+        return f"{self.runs} published {kind}runs{none}, each predicted without its source"
 
 
 def ratios(generation: str) -> tuple[tuple[float, ...], str]:
@@ -62,7 +66,9 @@ def interval(generation: str, moe: bool = False) -> Interval | None:
     if len(values) < 2:
         return None
     low, high = quantiles(values, (LOW_Q, HIGH_Q))
-    return Interval(low=low, high=high, runs=len(values), basis=basis)
+    seen = MOE_GENERATIONS if moe else tuple(g for g, rs in HELD_OUT_RATIOS.items() if rs)
+    unseen = "" if generation in seen else generation
+    return Interval(low=low, high=high, runs=len(values), basis=basis, unseen=unseen)
 
 
 def quantiles(values: tuple[float, ...] | list[float], qs: tuple[float, ...]) -> list[float]:
@@ -83,5 +89,6 @@ def describe(mfu: float, band: Interval | None) -> str:
         return f"{100 * mfu:.1f} % MFU"
     lo, hi = band.around(mfu)
     kind = {"all": "", "moe": "MoE "}.get(band.basis, band.basis + " ")
+    none = f", none on {band.unseen}" if band.unseen else ""
     return (f"{100 * mfu:.1f} % MFU, {100 * lo:.0f}-{100 * hi:.0f} % on comparable published "
-            f"runs ({band.runs} {kind}runs held out)")
+            f"runs ({band.runs} {kind}runs held out{none})")

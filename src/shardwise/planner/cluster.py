@@ -68,6 +68,25 @@ def h200_nvl8() -> ClusterSpec:
                       idle_power_w=80.0))
 
 
+def dgx_b200() -> ClusterSpec:
+    """8 x B200 per node (DGX / HGX B200). NVIDIA's Blackwell datasheet, HGX B200 column (1,000
+    W): bf16/fp16 2,250 dense TFLOP/s (4.5 PFLOP/s with sparsity), tf32 1,100, fp32 80; HBM3e 8
+    TB/s; 180 GB, which nvidia-smi reports as 179 GiB (Vultr's HGX B200 hardware overview, 2026);
+    148 SMs; NVLink 5: 1.8 TB/s bidirectional per GPU, 900 GB/s each way; 8 x 400 Gb/s
+    ConnectX-7 for the compute fabric (DGX B200 user guide), as the DGX H100. Idle power: the
+    H200's 80 W is not this board's; not known here (0: set [device] idle_power_w). No published
+    Blackwell bf16 training run is in the reference set: the kernel model runs it at Hopper's
+    fitted efficiencies (`cost.EFFICIENCIES_OF`) and its band says so."""
+    return ClusterSpec(
+        ClusterSection(nodes=1, devices_per_node=8, device_memory_gib=179.0, nics_per_node=8,
+                       name="dgx-b200"),
+        PeakSection(fp32=80.0, bf16=2250.0, fp16=2250.0, tf32=1100.0),
+        LinkSection(bandwidth_gbs=900.0, latency_us=NCCL_NVLINK_LAT_US),
+        _NDR400,
+        DeviceSection(generation="blackwell", memory_bandwidth_gbs=8000.0, sms=148,
+                      power_w=1000.0))
+
+
 def a100_80g() -> ClusterSpec:
     """8 x A100 SXM4 80 GB per node (DGX A100): NVIDIA A100 datasheet: bf16/fp16 312 dense
     TFLOP/s, tf32 156, fp32 19.5; 80 GB HBM2e (nvidia-smi: 81,920 MiB = 80.0 GiB); NVLink 3 600
@@ -155,6 +174,7 @@ PRESETS: dict[str, Callable[[], ClusterSpec]] = {
     "cpu-local": cpu_local,
     "dgx-h100": dgx_h100,
     "h200-nvl8": h200_nvl8,
+    "dgx-b200": dgx_b200,
     "a100-80g": a100_80g,
 }
 

@@ -87,12 +87,20 @@ def as_dims(model: ModelDims | ModelShape) -> ModelDims:
     return ModelDims.from_shape(model, name=type(model).__name__)
 
 
+#: generations whose kernel efficiencies are another's: no published Blackwell bf16 training run
+#: is in the reference set to fit its own, so a B200 runs at Hopper's fractions of its own peak,
+#: HBM bandwidth and SM count (cuBLAS's large bf16 GEMMs and FlashAttention reach similar
+#: fractions of peak on both); the MFU band says none of its runs are Blackwell's
+EFFICIENCIES_OF = {"blackwell": "hopper"}
+
+
 def chip_for(cluster: ClusterSpec, batch: Batch, params: CostParams) -> Chip | None:
     """The kernel model's view of the cluster's device, or None where it does not apply (a CPU,
     or a device of no known generation: FLOPs over `efficiency` x peak instead)."""
     gen = cluster.device.generation
     if cluster.cluster.device == "cpu" or not gen:
         return None
+    gen = EFFICIENCIES_OF.get(gen, gen)
     return Chip(peak=cluster.peak_flops(batch.precision, batch.tf32),
                 gemm=getattr(params, f"gemm_efficiency_{gen}"),
                 attention=getattr(params, f"attention_efficiency_{gen}"),

@@ -26,7 +26,7 @@ A cluster is `nodes` x `devices_per_node` identical devices. TOML, one table per
     latency_us = 9.6
 
     [device]                   # optional: what the kernel-time and energy estimates read
-    generation = "hopper"      # "ampere" or "hopper": which fitted kernel efficiencies apply
+    generation = "hopper"      # "ampere", "hopper" or "blackwell": which kernel efficiencies apply
     memory_bandwidth_gbs = 3350.0
     sms = 132
     power_w = 700.0
@@ -65,7 +65,7 @@ from shardwise.spec.toml import read_toml as _read_toml
 from shardwise.spec.toml import suggest as _suggest
 
 CLUSTER_DEVICES = ("cuda", "cpu")
-GENERATIONS = ("", "ampere", "hopper")
+GENERATIONS = ("", "ampere", "hopper", "blackwell")
 GIB = 2**30
 
 
@@ -119,7 +119,7 @@ class DeviceSection:
     """What the kernel-time model and the energy estimate read of one device; 0 or "" means not
     known, and the term that needs it falls back as its field says."""
 
-    generation: str = ""  # `ampere` or `hopper`: whose fitted kernel efficiencies apply ("": FLOPs only)
+    generation: str = ""  # `ampere`, `hopper` or `blackwell` (Hopper's efficiencies): the kernel model ("": FLOPs only)
     memory_bandwidth_gbs: float = 0.0  # HBM bandwidth, GB/s (0: memory-bound kernels not timed)
     sms: int = 0  # streaming multiprocessors, for GEMM wave quantisation (0: not modelled)
     power_w: float = 0.0  # board power at full load, W (the datasheet's maximum; 0: no energy figure)

@@ -42,6 +42,11 @@ from shardwise.utils.files import atomic_write_text
 
 #: (regex on the upper-cased device name, table name, {precision: dense FLOP/s}); first match wins.
 GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
+    # Blackwell (NVIDIA's Blackwell datasheet: half its "with sparsity" figures): the GB200's
+    # B200 at 1,200 W, and the HGX / DGX B200 at 1,000 W ("B200" alone: the word boundary keeps
+    # GB200 out)
+    (r"\bGB200\b", "GB200", {"bf16": 2500e12, "fp16": 2500e12, "tf32": 1250e12, "fp32": 90e12}),
+    (r"\bB200\b", "B200", {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12}),
     (r"\bH200 NVL\b", "H200 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
     (r"\bH200\b", "H200 SXM", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     (r"\bH100 NVL\b", "H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
