@@ -3,6 +3,7 @@ decomposition, what a run costs, and the CLI's new flags (exit codes and output)
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -395,6 +396,21 @@ def test_cli_validate_names_a_bad_stack_field(tmp_path, capsys, stack, words) ->
     assert "llama3-405b" in err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_cli_explains_a_blackwell_layout_naming_whose_efficiencies_it_uses(capsys) -> None:
+    """`--explain` on a B200 says the efficiencies are Hopper's fit and that no published run is
+    Blackwell's (it had raised an AttributeError: no `gemm_efficiency_blackwell`)."""
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-b200", "--nodes", "2",
+                 "--global-batch-tokens", "1M", "--top", "1", "--explain", "1",
+                 "--tokens", "1B"]) == 0
+    out = capsys.readouterr().out
+    assert "hopper's fit on published runs: none is a blackwell run" in out
+    assert "none on blackwell" in out and "days" in out
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-b200", "--nodes", "2",
+                 "--global-batch-tokens", "1M", "--top", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["interval_basis"]["none_of_generation"] == "blackwell"
 
 
 def test_cli_json_carries_the_interval(capsys) -> None:

@@ -171,6 +171,7 @@ def _tokens(args: argparse.Namespace) -> float | None:
 def _explain(wanted: str, result, band, params, out) -> None:
     """`--explain`: the layout's decomposition, or exit 2 naming the layouts there are."""
     from shardwise.planner import explain
+    from shardwise.planner.cost import fitted_efficiencies
 
     pred = explain.find(result.feasible, wanted) or explain.find(result.rejected, wanted)
     if pred is None:
@@ -179,10 +180,13 @@ def _explain(wanted: str, result, band, params, out) -> None:
                         "a rank from the table (1 is the best) or a name as printed, like "
                         f"{names or 'zero2-8'}; add mbN or a recompute mode to pick one variant.")
     gen = result.cluster.device.generation
-    note = (f"e = {getattr(params, f'gemm_efficiency_{gen}'):.3g}, k0 = "
-            f"{getattr(params, f'gemm_k_half_{gen}'):.0f} ({gen}, fitted on published runs)"
-            if gen and result.cluster.cluster.device != "cpu" else
-            f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation")
+    if gen and result.cluster.cluster.device != "cpu":
+        gemm, _, k_half, basis = fitted_efficiencies(params, gen)
+        whose = (f"{gen}, fitted on published runs" if basis == gen else
+                 f"{basis}'s fit on published runs: none is a {gen} run")
+        note = f"e = {gemm:.3g}, k0 = {k_half:.0f} ({whose})"
+    else:
+        note = f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation"
     print("\n" + explain.explain(pred, result.cluster, band, note, params.eager_modules),
           file=out)
 

@@ -6,7 +6,8 @@ predicts its MFU with efficiencies fitted on the other sources only, and `planne
 keeps measured / predicted for every row, by hardware generation. A prediction's interval is its
 MFU (and tokens/s, and so its days and cost) times the 10th and 90th percentiles of those
 ratios on comparable runs: the same generation when it has at least `MIN_COMPARABLE` rows, else
-every row (and the band says when none is of the device's generation: Blackwell's today). A mixture-of-experts model's band comes from the published MoE runs instead
+every row (and the band says when none is of the device's generation: Blackwell's today). A
+mixture-of-experts model's band comes from the published MoE runs instead
 (benchmarks/published_moe.toml, `MOE_RATIOS`: predicted by the fit on the dense rows, none of
 them in it), which the dense rows' band would flatter. It says what the published record says of
 this model's error, not a statistical confidence: the rows are few and not a random sample of

@@ -94,17 +94,24 @@ def as_dims(model: ModelDims | ModelShape) -> ModelDims:
 EFFICIENCIES_OF = {"blackwell": "hopper"}
 
 
+def fitted_efficiencies(params: CostParams, generation: str) -> tuple[float, float, float, str]:
+    """(GEMM efficiency, attention efficiency, GEMM fixed cost k0, whose fit they are) for a
+    device of `generation` (a known one: `spec.cluster.GENERATIONS`, not "")."""
+    basis = EFFICIENCIES_OF.get(generation, generation)
+    return (getattr(params, f"gemm_efficiency_{basis}"),
+            getattr(params, f"attention_efficiency_{basis}"),
+            getattr(params, f"gemm_k_half_{basis}"), basis)
+
+
 def chip_for(cluster: ClusterSpec, batch: Batch, params: CostParams) -> Chip | None:
     """The kernel model's view of the cluster's device, or None where it does not apply (a CPU,
     or a device of no known generation: FLOPs over `efficiency` x peak instead)."""
     gen = cluster.device.generation
     if cluster.cluster.device == "cpu" or not gen:
         return None
-    gen = EFFICIENCIES_OF.get(gen, gen)
-    return Chip(peak=cluster.peak_flops(batch.precision, batch.tf32),
-                gemm=getattr(params, f"gemm_efficiency_{gen}"),
-                attention=getattr(params, f"attention_efficiency_{gen}"),
-                k_half=getattr(params, f"gemm_k_half_{gen}"), sms=cluster.device.sms,
+    gemm, attention, k_half, _ = fitted_efficiencies(params, gen)
+    return Chip(peak=cluster.peak_flops(batch.precision, batch.tf32), gemm=gemm,
+                attention=attention, k_half=k_half, sms=cluster.device.sms,
                 hbm=cluster.memory_bytes_per_s)
 
 

@@ -41,7 +41,8 @@ def layouts_json(predictions: list[Prediction], band: Interval | None = None,
             row["mfu_interval"] = list(band.around(p.mfu))
             row["tokens_per_s_interval"] = list(band.around(p.tokens_per_s))
             row["interval_basis"] = {"runs": band.runs, "generation": band.basis,
-                                     "quantiles": [LOW_Q, HIGH_Q]}
+                                     "quantiles": [LOW_Q, HIGH_Q],
+                                     "none_of_generation": band.unseen or None}
         out.append(row)
     return json.dumps(out, indent=2)
 

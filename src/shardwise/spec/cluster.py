@@ -119,7 +119,7 @@ class DeviceSection:
     """What the kernel-time model and the energy estimate read of one device; 0 or "" means not
     known, and the term that needs it falls back as its field says."""
 
-    generation: str = ""  # `ampere`, `hopper` or `blackwell` (Hopper's efficiencies): the kernel model ("": FLOPs only)
+    generation: str = ""  # `ampere`, `hopper` or `blackwell` (Hopper's fit): kernel model ("": FLOPs only)
     memory_bandwidth_gbs: float = 0.0  # HBM bandwidth, GB/s (0: memory-bound kernels not timed)
     sms: int = 0  # streaming multiprocessors, for GEMM wave quantisation (0: not modelled)
     power_w: float = 0.0  # board power at full load, W (the datasheet's maximum; 0: no energy figure)
