@@ -3,6 +3,7 @@ decomposition, what a run costs, and the CLI's new flags (exit codes and output)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,7 +16,7 @@ from shardwise.planner import comm, costing, explain, kernels
 from shardwise.planner.accuracy import Interval
 from shardwise.planner.cluster import PRESETS as CLUSTERS
 from shardwise.planner.cluster import resolve_cluster
-from shardwise.planner.cost import TERMS, predict
+from shardwise.planner.cost import TERMS, chip_for, predict
 from shardwise.planner.layout import Batch, Layout, layout_problem
 from shardwise.planner.models import ModelDims, preset
 from shardwise.planner.params import CostParams
@@ -101,17 +102,36 @@ def test_the_loss_is_an_fp32_cross_entropy_over_the_vocabulary_shard() -> None:
 
 
 def test_tp_collectives_a_framework_overlaps_are_pipelined_with_their_gemms() -> None:
-    """tp chunks: the first stays exposed, the rest hide while there is compute."""
+    """tp chunks: the first stays exposed, the rest hide while the GEMM next to that collective
+    lasts (its own, not the block's: Transformer Engine's userbuffers and torch's async TP both
+    split one GEMM per collective). Llama 3 405B's projections outlast every collective: only
+    the first chunks show, 1/8 of the whole. Llama 3 8B's QKV and O projections are shorter than
+    an all-gather or reduce-scatter of its hidden state at tp 8: more shows, by the sum over its
+    collectives."""
     assert comm.pipelined(8.0, 100.0, 8) == pytest.approx(1.0)
     assert comm.pipelined(8.0, 3.0, 8) == pytest.approx(1.0 + 4.0)
     assert comm.pipelined(8.0, 100.0, 1) == 8.0
     lo = Layout(dp_shard=4, zero=1, tp=8, sequence_parallel=True)
-    cluster, model, batch = resolve_cluster("dgx-h100", nodes=4), preset("llama3-8b"), \
-        Batch(64, 8192)
-    plain = predict(lo, model, cluster, batch, CostParams(overlapped=()))
-    overlapped = predict(lo, model, cluster, batch, CostParams(overlapped=("tp",)))
+    cluster, batch = resolve_cluster("dgx-h100", nodes=4), Batch(64, 8192)
+    big = preset("llama3-405b")
+    lo_big = dataclasses.replace(lo, pp=16, schedule="1f1b", recompute="full")
+    plain = predict(lo_big, big, cluster, batch, CostParams(overlapped=()))
+    overlapped = predict(lo_big, big, cluster, batch, CostParams(overlapped=("tp",)))
     assert plain.breakdown["tp"] > 0
     assert overlapped.breakdown["tp"] == pytest.approx(plain.breakdown["tp"] / 8)
+    small = preset("llama3-8b")
+    plain = predict(lo, small, cluster, batch, CostParams(overlapped=()))
+    overlapped = predict(lo, small, cluster, batch, CostParams(overlapped=("tp",)))
+    chip = chip_for(cluster, batch, CostParams())
+    assert chip is not None
+    fwd, bwd = kernels.tp_paired_gemms(small, 1, 8192, 8, 1, 2, chip)
+    assert lo.recompute == "none"
+    # per micro-batch: 4 all-gather / reduce-scatter pairs a block, one each for the ends
+    c = plain.breakdown["tp"] / plain.micro_batches / (2 * (4 * 32 + 2))
+    per_block = sum(comm.pipelined(c, g, 8) for g in (*fwd, *bwd))
+    expected = 32 * per_block + 2 * 2 * c / 8
+    assert overlapped.breakdown["tp"] / overlapped.micro_batches == pytest.approx(expected)
+    assert overlapped.breakdown["tp"] > 1.5 * plain.breakdown["tp"] / 8
 
 
 def test_fsdp_gathers_hide_by_their_own_share() -> None:

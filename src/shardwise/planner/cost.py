@@ -61,6 +61,7 @@ from shardwise.planner.kernels import (
     embedding_time,
     head_times,
     optimizer_time,
+    tp_paired_gemms,
 )
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.memory import MemoryBreakdown, compute_bytes, rank_memory
@@ -303,9 +304,8 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
             comm.all_reduce(size, g["tp"])
         a_time["tp"] = n * one
         a_bytes["tp"] = n * 2 * (lo.tp - 1) / lo.tp * size
-        gemm_window = blocks.gemm + recompute.gemm
-        exposed["tp"] = comm.pipelined(a_time["tp"], gemm_window, lo.tp) if ctx.overlaps("tp") \
-            else a_time["tp"] * (1 - p.tp_overlap)
+        exposed["tp"] = _overlapped_tp(ctx, load, a_time["tp"], size, blocks, recompute) \
+            if ctx.overlaps("tp") else a_time["tp"] * (1 - p.tp_overlap)
     # context parallel: each rank's K/V chunk goes around the cp ring (or is all-gathered): cp-1
     # steps forward, twice that backward (K/V and their gradients), again if recomputed (per-op
     # recompute saves the attention's output and does not run it again).
@@ -368,6 +368,31 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
                      axis_time={a: v * per_step[a] for a, v in a_time.items()},
                      counts_mb=per_mb, counts_step=per_step_n, host_extra=tau - device_tau,
                      terms_mb=terms_mb, terms_step=sync_parts)
+
+
+def _overlapped_tp(ctx: _Ctx, load: RankLoad, total: float, size: float, blocks: OpTimes,
+                   recompute: OpTimes) -> float:
+    """Exposed tensor-parallel time where the framework overlaps it (`comm.pipelined`): each
+    sequence-parallel collective of a dense block split into tp chunks alternating with the
+    chunks of the GEMM next to it (`kernels.tp_paired_gemms`), its first chunk exposed and the
+    rest hidden only as far as that GEMM lasts: a QKV projection a fifth of the MLP's cannot
+    hide an all-gather the MLP could. Elsewhere (MoE or MLA blocks, no sequence parallel, no
+    kernel model) every collective is pooled against the blocks' GEMMs together."""
+    lo, model, t = ctx.lo, ctx.model, ctx.lo.tp
+    if ctx.chip is None or load.moe or model.attn_params or not lo.sequence_parallel:
+        return comm.pipelined(total, blocks.gemm + recompute.gemm, t)
+    c = comm.all_gather(size, ctx.groups["tp"])  # one all-gather or reduce-scatter
+
+    def paired(gemm: float) -> float:
+        return comm.pipelined(c, gemm, t)
+
+    fwd, bwd = tp_paired_gemms(model, lo.micro_batch, ctx.batch.seq_len, t, lo.cp, ctx.q,
+                               ctx.chip)
+    forward = sum(map(paired, fwd))
+    again = paired(fwd[0]) + paired(fwd[2]) if lo.recompute == "op" else forward
+    ends = (load.first + load.last) * 2 * c / t  # the embedding's and the head's: first chunks
+    return (load.blocks * (forward + sum(map(paired, bwd)))
+            + (load.ck_dense + load.ck_moe) * again + ends)
 
 
 def _attn_window(ctx: _Ctx, load: RankLoad) -> float:

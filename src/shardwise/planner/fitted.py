@@ -6,46 +6,46 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-06 11:05 UTC from published_runs.toml (sha256 5a792d86692dd8e4...)"
+GENERATED = "2026-12-06 16:18 UTC from published_runs.toml (sha256 5a792d86692dd8e4...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
     "gemm_efficiency_ampere": 0.6802,
     "gemm_efficiency_hopper": 0.5412,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.5362,
-    "gemm_k_half_ampere": 124.8866,
-    "gemm_k_half_hopper": 180.1774,
+    "attention_efficiency_hopper": 0.5355,
+    "gemm_k_half_ampere": 125.0776,
+    "gemm_k_half_hopper": 180.8441,
     "overlap": 1.0,
-    "fsdp_overlap": 0.5668,
-    "step_host_s": 0.0832,
+    "fsdp_overlap": 0.565,
+    "step_host_s": 0.0826,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        0.9408, 0.9536, 0.9849, 0.9711, 1.0306, 0.9675, 1.0221, 1.0184, 1.0341, 1.0866,
-        1.1059, 1.0695, 1.0238, 1.0057, 1.0337, 1.0536, 0.9771, 0.9738, 0.9529, 0.9568,
-        0.9476, 0.9425, 0.9902, 0.7981, 0.9382, 1.003, 0.9578, 0.8175, 0.9399, 1.0196,
-        0.934, 0.889, 0.9649, 0.9488, 1.0225,
+        0.9406, 0.9533, 0.9846, 0.971, 1.0305, 0.9674, 1.022, 1.0183, 1.034, 1.0864,
+        1.106, 1.0696, 1.0239, 1.0058, 1.0337, 1.0537, 0.9771, 0.9739, 0.9536, 0.9575,
+        0.9483, 0.9431, 0.991, 0.7986, 0.9389, 1.0038, 0.9586, 0.8181, 0.9406, 1.0205,
+        0.9347, 0.8896, 0.9657, 0.9495, 1.0235,
     ),
     "hopper": (
-        1.109, 1.1127, 1.1747, 1.1604, 0.9915, 0.9589, 0.9669, 1.0701, 1.0368, 0.9924,
-        0.9847, 0.9964, 1.0177, 0.9255, 1.0422, 1.024, 0.8965, 0.8999, 0.8949, 0.9007,
-        0.9198, 0.9368, 0.903, 0.9177, 0.9363, 0.9086, 0.9163,
+        1.109, 1.1127, 1.1747, 1.1666, 0.9927, 0.9589, 0.9669, 1.0701, 1.0368, 0.9917,
+        0.984, 0.9969, 1.0179, 0.9258, 1.0425, 1.0242, 0.8957, 0.8992, 0.8943, 0.901,
+        0.9202, 0.9371, 0.9036, 0.9183, 0.9369, 0.9094, 0.9171,
     ),
 }
 
 #: measured / predicted MFU of each mixture-of-experts row, predicted by the fit above (none of them in it):
 #: published_moe.toml (sha256 c7405d46013d7f48...)
 MOE_RATIOS: tuple[float, ...] = (
-    0.7518, 0.7507, 0.7289, 0.7306, 0.9519, 0.8994, 0.7683, 0.8077,
+    0.752, 0.7508, 0.729, 0.7308, 0.9523, 0.8996, 0.7685, 0.8078,
 )
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.564,
-    "in_sample_max": 6.424,
-    "held_out_mae": 2.333,
-    "held_out_max": 7.106,
+    "in_sample_mae": 1.567,
+    "in_sample_max": 6.423,
+    "held_out_mae": 2.33,
+    "held_out_max": 7.084,
 }

@@ -210,6 +210,28 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     return BlockTimes(forward, backward, recompute, op)
 
 
+@lru_cache(maxsize=4096)
+def tp_paired_gemms(model: ModelDims, micro_batch: int, seq_len: int, tp: int, cp: int, q: int,
+                    chip: Chip) -> tuple[tuple[float, float, float, float],
+                                         tuple[float, float, float, float]]:
+    """The GEMM next to each sequence-parallel collective of a dense block, which a framework
+    that overlaps tensor parallel (Transformer Engine's userbuffers, torch's async TP) splits into
+    chunks alternating with that collective's: forward (QKV after its all-gather, O before its
+    reduce-scatter, the MLP's up projection after its all-gather, its down projection before
+    its reduce-scatter), backward (the input-gradient GEMMs: O's after the gradient's
+    all-gather, QKV's before its reduce-scatter, down's, up's)."""
+    tokens = micro_batch * seq_len // cp
+    h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
+    width = model.ffn // tp
+    up = width * (2 if model.gated else 1)
+    qkv, o = (a + 2 * kv) * hd // tp, a * hd // tp
+    fwd = (gemm_time(tokens, qkv, h, chip, q), gemm_time(tokens, h, o, chip, q),
+           gemm_time(tokens, up, h, chip, q), gemm_time(tokens, h, width, chip, q))
+    bwd = (gemm_time(tokens, o, h, chip, q), gemm_time(tokens, h, qkv, chip, q),
+           gemm_time(tokens, width, h, chip, q), gemm_time(tokens, h, up, chip, q))
+    return fwd, bwd
+
+
 def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd: int, q: int,
                fused: bool, dropout: bool, chip: Chip) -> tuple[OpTimes, OpTimes]:
     """(forward, backward) of the attention core of one block on one rank."""
