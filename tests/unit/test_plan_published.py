@@ -157,7 +157,9 @@ def test_an_unknown_v_divides_what_the_stacks_split_puts_on_a_rank(refs) -> None
     ('kind = "tflops_palm", value = 400.0', 'kind = "tflops_palm", value = "fast"',
      ["llama3-405b-8k-16384gpu", "measured.value = 'fast'", "above 0"]),
     ('kind = "tflops_palm", value = 400.0', 'kind = "mfu", value = 400.0',
-     ["measured.kind 'mfu' is not one of", "tflops_palm"]),
+     ["measured.kind 'mfu' is not one of", "tflops_palm", "mfu_palm"]),
+    ('kind = "tflops_palm", value = 400.0', 'kind = "mfu_palm", value = 41.0',
+     ["measured.value = 41.0 is not a utilisation", "0.41 for 41 %"]),
     ("seq_len = 131072", "seq_len = 0", ["seq_len = 0 must be a whole number"]),
     ("tp = 8, pp = 16, cp = 16", 'tp = "eight", pp = 16, cp = 16', ["layout.tp = 'eight'"]),
     ('zero = 2, schedule = "interleaved-1f1b", v = "unknown", micro_batch = "unknown", '
@@ -178,6 +180,23 @@ def test_a_malformed_reference_set_is_named_field_by_field(tmp_path, old, new, w
     message = refusal(REFERENCE, old, new, tmp_path)
     for word in words or ["not valid TOML"]:
         assert word in message, (word, message)
+
+
+def test_a_source_that_prints_only_its_mfu_is_read_against_the_devices_peak(refs,
+                                                                            tmp_path) -> None:
+    """`mfu_palm`: the Llama 3 paper's 16,384-GPU 8K row prints 400 TFLOP/s; given instead as
+    the MFU that is over the H100's 989.4 dense peak, it is the same tokens/s."""
+    row = next(r for r in refs if r.id == "llama3-405b-8k-16384gpu")
+    text = REFERENCE.read_text()
+    head, tail = text.split('id = "llama3-405b-8k-16384gpu"')
+    old = 'measured = { kind = "tflops_palm", value = 400.0 }'
+    assert old in tail
+    path = tmp_path / "mfu.toml"
+    path.write_text(head + 'id = "llama3-405b-8k-16384gpu"' + tail.replace(
+        old, f'measured = {{ kind = "mfu_palm", value = {400 / 989.4!r} }}', 1))
+    again = next(r for r in published.load(path) if r.id == row.id)
+    assert again.measured_kind == "mfu_palm"
+    assert again.measured_tokens_per_s == pytest.approx(row.measured_tokens_per_s, rel=1e-9)
 
 
 def test_the_probes_unstated_overlaps_bracket_what_the_run_measured() -> None:

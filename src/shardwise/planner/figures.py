@@ -47,11 +47,18 @@ RATE_KINDS: dict[str, Callable[[float, Batch, int], float]] = {
     "samples_per_s": lambda value, batch, gpus: value * batch.seq_len,
     "step_s": lambda value, batch, gpus: batch.tokens / value,
 }
-MEASURED_KINDS = (*FLOP_FORMULAS, *RATE_KINDS)
+#: a model FLOPs utilisation (a fraction of the device's dense peak in the run's precision) ->
+#: the source's FLOPs per token: PaLM's MFU, as the Llama 3 paper and most since print it
+MFU_FORMULAS = {"mfu_palm": palm_flops_per_token}
+MEASURED_KINDS = (*FLOP_FORMULAS, *MFU_FORMULAS, *RATE_KINDS)
 
 
-def tokens_per_s(kind: str, value: float, model: ModelDims, batch: Batch, gpus: int) -> float:
-    """The job's tokens/s that a source's throughput figure implies (`MEASURED_KINDS`)."""
+def tokens_per_s(kind: str, value: float, model: ModelDims, batch: Batch, gpus: int,
+                 peak_flops: float = 0.0) -> float:
+    """The job's tokens/s that a source's throughput figure implies (`MEASURED_KINDS`); an MFU
+    is taken against `peak_flops`, the device's dense peak per GPU."""
     if kind in RATE_KINDS:
         return RATE_KINDS[kind](value, batch, gpus)
+    if kind in MFU_FORMULAS:
+        return value * peak_flops * gpus / MFU_FORMULAS[kind](model, batch.seq_len)
     return value * 1e12 * gpus / FLOP_FORMULAS[kind](model, batch.seq_len)

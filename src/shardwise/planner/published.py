@@ -20,7 +20,7 @@ from typing import Any
 from shardwise.errors import SpecError
 from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
-from shardwise.planner.figures import MEASURED_KINDS, tokens_per_s
+from shardwise.planner.figures import MEASURED_KINDS, MFU_FORMULAS, tokens_per_s
 from shardwise.planner.layout import MODELLED_RECOMPUTE, SCHEDULES, Batch, Layout
 from shardwise.planner.models import ModelDims, mla_attention
 from shardwise.planner.op_checkpoint import UNSUPPORTED, supports_op_checkpoint
@@ -285,7 +285,11 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise SpecError(f"{where}: measured.value = {value!r} must be a number above 0 (the "
                         f"figure the source prints, as {kind}).")
-    tps = tokens_per_s(kind, float(value), model, batch, gpus)
+    if kind in MFU_FORMULAS and value > 1:
+        raise SpecError(f"{where}: measured.value = {value!r} is not a utilisation: give {kind} "
+                        f"as a fraction of the peak (0.41 for 41 %).")
+    peak = cluster.peak_flops(batch.precision, batch.tf32)
+    tps = tokens_per_s(kind, float(value), model, batch, gpus, peak)
     return Reference(id=rid, source=source, model=model, batch=batch, cluster=cluster,
                      candidates=candidates, unknown=unknown, stack=stack,
                      measured_tokens_per_s=tps, published_mfu=row.get("published_mfu"),
