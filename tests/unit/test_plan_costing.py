@@ -431,6 +431,11 @@ def test_cli_explains_a_blackwell_layout_naming_whose_efficiencies_it_uses(capsy
                  "--global-batch-tokens", "1M", "--top", "1", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["interval_basis"]["none_of_generation"] == "blackwell"
+    # --json with --explain: stdout stays one JSON document, the decomposition goes to stderr
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-b200", "--nodes", "2",
+                 "--global-batch-tokens", "1M", "--top", "1", "--json", "--explain", "1"]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)) == 1 and "bound:" in captured.err
 
 
 def test_cli_json_carries_the_interval(capsys) -> None:

@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         print(report.layouts_json(result.top(args.top), band, cluster, tokens, model), file=out)
     else:
         print(report.human(result, args.top, band), file=out)
-    if args.explain:
-        _explain(args.explain, result, band, params, out)
+    if args.explain:  # with --json, stdout stays one JSON document: the words go to stderr
+        _explain(args.explain, result, band, params, sys.stderr if args.json else out)
     if tokens and not args.json:
         print("\n" + "\n".join(cost_lines(result.top(args.top), cluster, tokens, band)), file=out)
     if args.write_spec:
