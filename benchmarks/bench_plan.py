@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.errors import UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> (spec overrides); every layout trains the same model on the same batch
@@ -163,7 +165,17 @@ def main() -> None:
                         help="with --published: regenerate src/shardwise/planner/fitted.py")
     args = parser.parse_args()
     if args.published:
-        published(args.published, args.write_fit, args.output)
+        problem = "" if args.published.is_file() else (
+            f"--published {args.published}: no such file. Pass benchmarks/published_runs.toml "
+            "(the default) or a reference set of the same form.")
+        try:
+            if not problem:
+                published(args.published, args.write_fit, args.output)
+        except UserError as err:  # a malformed reference set: its one paragraph
+            problem = str(err)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
         return
     layouts = list(QUICK) if args.quick and args.layouts == ",".join(LAYOUTS) else \
         [x for x in args.layouts.split(",") if x]
