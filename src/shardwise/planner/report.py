@@ -85,9 +85,14 @@ def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
         lines += _table(rows)
         best = result.feasible[0]
         if band is not None:
+            side = ("" if band.low <= 1 <= band.high else
+                    "; the band lies wholly below the prediction: the planner was fast on such "
+                    "runs" if band.high < 1 else
+                    "; the band lies wholly above the prediction: the planner was slow on such "
+                    "runs")
             lines.append(f"MFU band: measured / predicted MFU of {band.drawn_from()}, "
                          f"{100 * LOW_Q:.0f}th-{100 * HIGH_Q:.0f}th percentile "
-                         "(benchmarks/RESULTS.md); `--explain 1` breaks #1 down")
+                         f"(benchmarks/RESULTS.md){side}; `--explain 1` breaks #1 down")
         if best.pod_bound:
             lines.append(f"placement: #1's {', '.join(best.pod_bound)} groups span pods, and the "
                          "oversubscribed uplinks between pods bound them")
