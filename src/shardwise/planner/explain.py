@@ -38,11 +38,12 @@ TERM_INFO: dict[str, tuple[str, str]] = {
     "dp_fsdp": ("exposed comm: FSDP gathers", "all-gathers per unit (and reduce-scatters per "
                 "micro-batch), prefetched under compute; on {dp_shard}"),
     "bubble": ("pipeline bubble", "{bubble}"),
-    "dp_sync": ("exposed comm: gradient reduction", "after the last backward, hidden behind it "
-                "and the pipeline's drain; on {dp_shard}"),
+    "dp_sync": ("exposed comm: gradient reduction", "after the last backward (of each call of "
+                "the schedule), hidden behind it and the pipeline's drain; on {dp_shard}"),
     "param_gather": ("exposed comm: parameter gather per step", "ZeRO-1's updated shards "
-                     "all-gathered after the step, or ZeRO-2's once-per-step gather under "
-                     "pipeline parallel, with the first micro-batch's forward; on {dp_shard}"),
+                     "all-gathered after the step, or ZeRO-2's gather under pipeline parallel "
+                     "(once a step, or a call of the schedule), with the first micro-batch's "
+                     "forward; on {dp_shard}"),
     "optimizer": ("optimizer step", "AdamW's bytes over the rank's shard / HBM bandwidth"),
     "overhead": ("framework overhead", "host work not hidden behind the kernels "
                  "(planner/overhead.py; coefficients measured on shardwise's CPU runs) and, on "
