@@ -900,7 +900,7 @@ def test_a_runspec_that_compiles_is_planned_with_fused_elementwise_kernels(tmp_p
         config.write_text(text + f"[memory]\ncompile = {str(compiled).lower()}\n")
         assert main(["plan", "--model", str(config), "--cluster", "dgx-h100", "--json",
                      "--explain", "1"]) == 0
-        out = capsys.readouterr().out
-        mfu[compiled] = json.loads(out[:out.index("\n]") + 2])[0]["mfu"]
-        assert ("fused kernels" if compiled else "eager modules, one kernel an op") in out
+        captured = capsys.readouterr()  # --json: stdout is the JSON, --explain's words stderr
+        mfu[compiled] = json.loads(captured.out)[0]["mfu"]
+        assert ("fused kernels" if compiled else "eager modules, one kernel an op") in captured.err
     assert mfu[True] > 1.05 * mfu[False]
