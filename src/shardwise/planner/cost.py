@@ -39,6 +39,7 @@ Memory is itemised in `planner/memory.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -189,8 +190,8 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     per_load = [_rank_step(ctx, load) for load in distinct]
     taus = [per_load[i].tau for i in index]
     per_call, calls = lo.pipeline_calls(m, params.pipeline_local_batch)
-    worst_mem, worst_rank = _peak_memory(lo, model, batch, distinct, index, per_call, params,
-                                         cluster.cluster.device, calls)
+    worst_mem, worst_rank = _peak_memory(_memory_key(lo), model, batch, distinct, index, per_call,
+                                         params, cluster.cluster.device, calls)
     busiest = max(range(len(distinct)), key=lambda i: sum(per_load[i].axis_bytes.values()))
     slowest = max(range(len(taus)), key=taus.__getitem__)
     rs = per_load[index[slowest]]
@@ -436,6 +437,15 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
     return out, (dc.sync, window, overlapped and lo.pp > 1, dc.calls)
 
 
+def _memory_key(lo: Layout) -> Layout:
+    """`lo` as the memory cache keys it: the mesh order moves no byte (`memory.rank_memory`
+    reads none of it), so the two orders the search tries on a podded cluster share one entry."""
+    return lo if lo.order == MEMORY_ORDER else dataclasses.replace(lo, order=MEMORY_ORDER)
+
+
+MEMORY_ORDER = Layout().order
+
+
 def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
                    params: CostParams = DEFAULT_PARAMS,
                    device: str = "cuda") -> tuple[MemoryBreakdown, int]:
@@ -447,7 +457,8 @@ def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
                                      lo.ac_every, params.pp_split)
     per_call, calls = lo.pipeline_calls(max(lo.micro_batches(batch), 1),
                                          params.pipeline_local_batch)
-    return _peak_memory(lo, model, batch, distinct, index, per_call, params, device, calls)
+    return _peak_memory(_memory_key(lo), model, batch, distinct, index, per_call, params, device,
+                        calls)
 
 
 @lru_cache(maxsize=8192)
