@@ -171,7 +171,7 @@ def _tokens(args: argparse.Namespace) -> float | None:
 def _explain(wanted: str, result, band, params, out) -> None:
     """`--explain`: the layout's decomposition, or exit 2 naming the layouts there are."""
     from shardwise.planner import explain
-    from shardwise.planner.cost import fitted_efficiencies
+    from shardwise.planner.chip import fitted_efficiencies
 
     pred = explain.find(result.feasible, wanted) or explain.find(result.rejected, wanted)
     if pred is None:

@@ -76,7 +76,7 @@ def dgx_b200() -> ClusterSpec:
     ConnectX-7 for the compute fabric (DGX B200 user guide), as the DGX H100. Idle power: the
     H200's 80 W is not this board's; not known here (0: set [device] idle_power_w). No published
     Blackwell bf16 training run is in the reference set: the kernel model runs it at Hopper's
-    fitted efficiencies (`cost.EFFICIENCIES_OF`) and its band says so."""
+    fitted efficiencies (`chip.EFFICIENCIES_OF`) and its band says so."""
     return ClusterSpec(
         ClusterSection(nodes=1, devices_per_node=8, device_memory_gib=179.0, nics_per_node=8,
                        name="dgx-b200"),

@@ -34,12 +34,12 @@ runs (the `CostParams` fields give the arithmetic). On a CPU the host is the dev
 to each micro-batch; on a GPU the host runs ahead of the stream, so a micro-batch costs
 max(kernels, host work), hidden at scale. ZeRO-1's step is serial with its gathers on either.
 
-Memory is itemised in `planner/memory.py`.
+Memory is itemised in `planner/memory.py`, the fullest rank found in `planner/peak_memory.py`;
+the device's kernel-model view (`chip_for`) is `planner/chip.py`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -47,10 +47,9 @@ from shardwise.planner import comm
 from shardwise.planner.bubble import (
     RankLoad,
     bubble_slots,
-    flights,
-    grad_share_at_peak,
     rank_groups,
 )
+from shardwise.planner.chip import chip_for
 from shardwise.planner.compute import kind_flops, model_flops_per_token, rank_flops
 from shardwise.planner.dispatch import token_copies
 from shardwise.planner.dpcomm import dp_comm
@@ -65,8 +64,8 @@ from shardwise.planner.kernels import (
     tp_paired_gemms,
 )
 from shardwise.planner.layout import Batch, Layout
-from shardwise.planner.memory import MemoryBreakdown, compute_bytes, rank_memory
-from shardwise.planner.models import ModelDims
+from shardwise.planner.memory import compute_bytes
+from shardwise.planner.models import ModelDims, as_dims
 from shardwise.planner.overhead import overhead_counts
 from shardwise.planner.params import (
     DEFAULT_PARAMS,
@@ -75,47 +74,13 @@ from shardwise.planner.params import (
     OVERLAPPABLE,
     CostParams,
 )
+from shardwise.planner.peak_memory import memory_key, peak_memory, predict_memory
 from shardwise.planner.prediction import COMM_TERMS, TERMS, Prediction
 from shardwise.shape import ModelShape
 from shardwise.spec.cluster import ClusterSpec
 
 __all__ = ["COMM_TERMS", "DEFAULT_PARAMS", "FITTED_FIELDS", "OVERHEAD_FIELDS", "OVERLAPPABLE",
            "TERMS", "CostParams", "Prediction", "chip_for", "predict", "predict_memory"]
-
-def as_dims(model: ModelDims | ModelShape) -> ModelDims:
-    """A ModelDims, or one made from a `ModelShape` (`ModelDims.from_shape`)."""
-    if isinstance(model, ModelDims):
-        return model
-    return ModelDims.from_shape(model, name=type(model).__name__)
-
-
-#: generations whose kernel efficiencies are another's: no published Blackwell bf16 training run
-#: is in the reference set to fit its own, so a B200 runs at Hopper's fractions of its own peak,
-#: HBM bandwidth and SM count (cuBLAS's large bf16 GEMMs and FlashAttention reach similar
-#: fractions of peak on both); the MFU band says none of its runs are Blackwell's
-EFFICIENCIES_OF = {"blackwell": "hopper"}
-
-
-def fitted_efficiencies(params: CostParams, generation: str) -> tuple[float, float, float, str]:
-    """(GEMM efficiency, attention efficiency, GEMM fixed cost k0, whose fit they are) for a
-    device of `generation` (a known one: `spec.cluster.GENERATIONS`, not "")."""
-    basis = EFFICIENCIES_OF.get(generation, generation)
-    return (getattr(params, f"gemm_efficiency_{basis}"),
-            getattr(params, f"attention_efficiency_{basis}"),
-            getattr(params, f"gemm_k_half_{basis}"), basis)
-
-
-def chip_for(cluster: ClusterSpec, batch: Batch, params: CostParams) -> Chip | None:
-    """The kernel model's view of the cluster's device, or None where it does not apply (a CPU,
-    or a device of no known generation: FLOPs over `efficiency` x peak instead)."""
-    gen = cluster.device.generation
-    if cluster.cluster.device == "cpu" or not gen:
-        return None
-    gemm, attention, k_half, _ = fitted_efficiencies(params, gen)
-    return Chip(peak=cluster.peak_flops(batch.precision, batch.tf32), gemm=gemm,
-                attention=attention, k_half=k_half, sms=cluster.device.sms,
-                hbm=cluster.memory_bytes_per_s)
-
 
 @dataclass(frozen=True)
 class _Ctx:
@@ -190,7 +155,7 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     per_load = [_rank_step(ctx, load) for load in distinct]
     taus = [per_load[i].tau for i in index]
     per_call, calls = lo.pipeline_calls(m, params.pipeline_local_batch)
-    worst_mem, worst_rank = _peak_memory(_memory_key(lo), model, batch, distinct, index, per_call,
+    worst_mem, worst_rank = peak_memory(memory_key(lo), model, batch, distinct, index, per_call,
                                          params, cluster.cluster.device, calls)
     busiest = max(range(len(distinct)), key=lambda i: sum(per_load[i].axis_bytes.values()))
     slowest = max(range(len(taus)), key=taus.__getitem__)
@@ -435,53 +400,3 @@ def _data_parallel(ctx: _Ctx, load: RankLoad, t_comp: float, a_time: dict[str, f
                                           compute_bytes(ctx.batch.precision))
     window = t_comp * 2 / 3 if overlapped else 0.0
     return out, (dc.sync, window, overlapped and lo.pp > 1, dc.calls)
-
-
-def _memory_key(lo: Layout) -> Layout:
-    """`lo` as the memory cache keys it: the mesh order moves no byte (`memory.rank_memory`
-    reads none of it), so the two orders the search tries on a podded cluster share one entry."""
-    return lo if lo.order == MEMORY_ORDER else dataclasses.replace(lo, order=MEMORY_ORDER)
-
-
-MEMORY_ORDER = Layout().order
-
-
-def predict_memory(layout: Layout, model: ModelDims | ModelShape, batch: Batch,
-                   params: CostParams = DEFAULT_PARAMS,
-                   device: str = "cuda") -> tuple[MemoryBreakdown, int]:
-    """The memory of the rank with the most, and its rank: without any compute or comm
-    (`device`: the cluster's, "cuda" or "cpu")."""
-    model = as_dims(model)
-    lo = layout
-    _, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, batch.seq_len, lo.recompute,
-                                     lo.ac_every, params.pp_split)
-    per_call, calls = lo.pipeline_calls(max(lo.micro_batches(batch), 1),
-                                         params.pipeline_local_batch)
-    return _peak_memory(_memory_key(lo), model, batch, distinct, index, per_call, params, device,
-                        calls)
-
-
-@lru_cache(maxsize=8192)
-def _peak_memory(lo: Layout, model: ModelDims, batch: Batch, distinct: tuple, index: tuple,
-                 m: int, params: CostParams, device: str = "cuda",
-                 calls: int = 1) -> tuple[MemoryBreakdown, int]:
-    """Memory grows with the micro-batches in flight (`m`: those of one call of the pipeline
-    schedule, of `calls` a step): per kind of rank, the one holding most. Cached: the search
-    asks for a layout's memory before it predicts its time."""
-    held = flights(lo.schedule, lo.pp, lo.v, m)
-    # every call of the schedule ends in torch's REDUCE_GRAD, which frees the unsharded
-    # gradients: each call's forwards meet only its own (and the shards of earlier calls)
-    shares = [grad_share_at_peak(lo.schedule, lo.pp, lo.v, m, r) for r in range(len(index))]
-    most: dict[tuple[int, float], int] = {}  # per kind of rank and gradient share
-    for r, i in enumerate(index):
-        key = (i, shares[r])
-        if key not in most or held[r] > held[most[key]]:
-            most[key] = r
-    worst: tuple[MemoryBreakdown | None, int] = (None, 0)
-    for (i, share), r in most.items():
-        mem = rank_memory(lo, model, batch, distinct[i], held[r], params, device, share,
-                          calls)
-        if worst[0] is None or mem.total > worst[0].total:
-            worst = (mem, r)
-    assert worst[0] is not None
-    return worst[0], worst[1]

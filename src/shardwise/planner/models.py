@@ -331,3 +331,10 @@ def preset(name: str) -> ModelDims:
                         f"{', '.join(PRESETS)}; or pass a RunSpec .toml or a Hugging Face "
                         "config.json.")
     return PRESETS[name]()
+
+
+def as_dims(model: ModelDims | ModelShape) -> ModelDims:
+    """A ModelDims, or one made from a `ModelShape` (`ModelDims.from_shape`)."""
+    if isinstance(model, ModelDims):
+        return model
+    return ModelDims.from_shape(model, name=type(model).__name__)
