@@ -95,6 +95,7 @@ class _Ctx:
     chip: Chip | None
     groups: dict[str, comm.Group]
     pp_inter: bool
+    calls: int  # calls of the pipeline schedule a step (`Layout.pipeline_calls`)
 
     @property
     def q(self) -> int:
@@ -150,11 +151,11 @@ def predict(layout: Layout, model: ModelDims | ModelShape, cluster: ClusterSpec,
     split, distinct, index = rank_groups(model, lo.pp, lo.v, lo.schedule, s, lo.recompute,
                                          lo.ac_every, params.pp_split)
     groups, pp_inter = _groups(lo, cluster, params)
+    per_call, calls = lo.pipeline_calls(m, params.pipeline_local_batch)
     ctx = _Ctx(lo, model, cluster, batch, params, m, chip_for(cluster, batch, params), groups,
-               pp_inter)
+               pp_inter, calls)
     per_load = [_rank_step(ctx, load) for load in distinct]
     taus = [per_load[i].tau for i in index]
-    per_call, calls = lo.pipeline_calls(m, params.pipeline_local_batch)
     worst_mem, worst_rank = peak_memory(memory_key(lo), model, batch, distinct, index, per_call,
                                          params, cluster.cluster.device, calls)
     busiest = max(range(len(distinct)), key=lambda i: sum(per_load[i].axis_bytes.values()))
@@ -312,8 +313,7 @@ def _rank_step(ctx: _Ctx, load: RankLoad) -> _RankStep:
         ctx, load, t_comp, a_time, a_bytes, exposed)
     tau = t_comp + sum(exposed.values())
     # framework overhead: added on a CPU, overlapped with the kernels on a GPU (docstring)
-    per_mb, per_step_n = overhead_counts(lo, model, load, ctx.batch, m,
-                                         lo.pipeline_calls(m, p.pipeline_local_batch)[1])
+    per_mb, per_step_n = overhead_counts(lo, model, load, ctx.batch, m, ctx.calls)
     host = sum(n * getattr(p, k) for k, n in per_mb.items())
     device_tau = tau
     if ctx.cluster.cluster.device == "cpu":

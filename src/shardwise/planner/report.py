@@ -85,11 +85,11 @@ def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
         lines += _table(rows)
         best = result.feasible[0]
         if band is not None:
-            side = ("" if band.low <= 1 <= band.high else
-                    "; the band lies wholly below the prediction: the planner was fast on such "
-                    "runs" if band.high < 1 else
-                    "; the band lies wholly above the prediction: the planner was slow on such "
-                    "runs")
+            side = ""
+            if band.high < 1:
+                side = "; the band lies wholly below the prediction: the planner was fast on such runs"
+            elif band.low > 1:
+                side = "; the band lies wholly above the prediction: the planner was slow on such runs"
             lines.append(f"MFU band: measured / predicted MFU of {band.drawn_from()}, "
                          f"{100 * LOW_Q:.0f}th-{100 * HIGH_Q:.0f}th percentile "
                          f"(benchmarks/RESULTS.md){side}; `--explain 1` breaks #1 down")
