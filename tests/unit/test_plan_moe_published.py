@@ -27,9 +27,9 @@ from shardwise.planner.dpcomm import dp_comm
 from shardwise.planner.fitted import MOE_RATIOS
 from shardwise.planner.kernels import block_times, linear_times
 from shardwise.planner.layout import Batch, Layout
-from shardwise.planner.memory import rank_params, state_lower_bound
+from shardwise.planner.memory import layer_activation, rank_params, state_lower_bound
 from shardwise.planner.models import mla_attention, preset
-from shardwise.planner.params import CostParams
+from shardwise.planner.params import BlockSaves, CostParams
 from shardwise.planner.published_report import fitted_module
 from tests.support.reference_sets import refusal
 
@@ -68,6 +68,41 @@ def test_every_published_moe_layout_is_predicted_to_fit(rows) -> None:
         mem, _ = predict_memory(r.candidates[0], r.model, r.batch, r.params(CostParams()),
                                 r.cluster.cluster.device)
         assert mem.total <= r.cluster.memory_bytes, (r.id, mem.total / 2**30)
+
+
+def test_megatrons_moe_block_keeps_what_its_module_recompute_leaves(rows) -> None:
+    """GPT-OSS's block as Megatron-Core runs it for the published rows (bf16, fused attention,
+    recompute_modules ["layernorm", "moe_act"], the router's weights inside the activation),
+    counted by hand per token: the two norms' inputs, Q/K/V, the attention output and its fp32
+    log-sum-exp, the routed tokens (top-4 copies), the first experts GEMM's gated output, the
+    router's fp32 logits and probabilities. Each saving is the tensor it leaves unsaved."""
+    oss = next(r for r in rows if r.model.name == "gpt-oss-120b")
+    model, params = oss.model, oss.params(CostParams())
+    assert (params.recompute_norms, params.recompute_moe_act,
+            params.moe_weights_at_combine, params.logits_bytes) == (True, True, False, 6)
+    h, k, ffn, tokens = 2880, 4, 2880, 4 * 4096
+    by_hand = (2 * 2 * h + 2 * (64 + 2 * 8) * 64 + 2 * 64 * 64 + 4 * 64 + 2 * k * h
+               + 2 * k * 2 * ffn + 8 * 128)
+    saves = BlockSaves.of(params)
+    megatron = layer_activation(model, "moe", tokens, 4096, 1, False, 2, 2, True, False, False,
+                                saves)
+    assert megatron == pytest.approx(tokens * by_hand)
+    textbook = layer_activation(model, "moe", tokens, 4096, 1, False, 2, 2, True, False)
+    assert textbook - megatron == pytest.approx(tokens * (2 * 2 * h + 2 * k * ffn + 2 * k * h))
+
+
+def test_module_recompute_redoes_its_forward_in_backward() -> None:
+    """What the block does not save, its backward recomputes: each norm's forward and the routed
+    activation's, as HBM bytes on top of the backward's own; the forward is unchanged."""
+    model = preset("deepseek-v3")
+    chip = chip_for(resolve_cluster("dgx-h100", nodes=1), Batch(8, 4096), DEFAULT_PARAMS)
+    keep = block_times(model, "moe", 1, 4096, 1, 1, False, 2, 2, True, False, False, chip, 8)
+    redo = block_times(model, "moe", 1, 4096, 1, 1, False, 2, 2, True, False, False, chip, 8,
+                       False, BlockSaves(norms=False, moe_act=False))
+    assert redo.forward == keep.forward and redo.backward.gemm == keep.backward.gemm
+    extra = 4096 * (2 * (2 + 2) * 7168 + 3 * 2 * 8 * 2048)
+    assert redo.backward.memory - keep.backward.memory == pytest.approx(
+        extra / chip.hbm, rel=1e-6)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -129,10 +164,11 @@ def test_the_moe_bands_generations_are_the_moe_files(rows) -> None:
     """The MoE band says when a device's generation has no published MoE run: it knows which
     generations the file's rows ran on (`accuracy.MOE_GENERATIONS`), held to the file here."""
     assert set(accuracy.MOE_GENERATIONS) == {r.cluster.device.generation for r in rows}
-    blackwell = accuracy.interval("blackwell", moe=True)
-    assert blackwell is not None and blackwell.unseen == "blackwell"
-    assert "none on blackwell" in blackwell.drawn_from()
-    assert accuracy.interval("hopper", moe=True).unseen == ""  # type: ignore[union-attr]
+    ampere = accuracy.interval("ampere", moe=True)
+    assert ampere is not None and ampere.unseen == "ampere"
+    assert "none on ampere" in ampere.drawn_from()
+    for seen in ("hopper", "blackwell"):  # Megatron-Bridge's GPT-OSS rows on DGX-B200
+        assert accuracy.interval(seen, moe=True).unseen == ""  # type: ignore[union-attr]
 
 
 def test_the_generated_module_carries_the_moe_ratios(rows, tmp_path) -> None:

@@ -23,7 +23,7 @@ from shardwise.planner.fitted import HELD_OUT_RATIOS, MOE_RATIOS
 
 MIN_COMPARABLE = 5
 #: the generations of the published MoE runs' devices (a test holds it to the file)
-MOE_GENERATIONS = ("hopper",)
+MOE_GENERATIONS = ("hopper", "blackwell")
 LOW_Q, HIGH_Q = 0.10, 0.90
 
 

@@ -72,6 +72,8 @@ from shardwise.planner.params import (
     FITTED_FIELDS,
     OVERHEAD_FIELDS,
     OVERLAPPABLE,
+    SAVES_ALL,
+    BlockSaves,
     CostParams,
 )
 from shardwise.planner.peak_memory import memory_key, peak_memory, predict_memory
@@ -227,20 +229,20 @@ def _compute(ctx: _Ctx, load: RankLoad) -> tuple[OpTimes, OpTimes, OpTimes]:
     return _kernel_compute(ctx.model, load, lo.micro_batch, batch.seq_len, lo.tp, lo.cp,
                            lo.sequence_parallel, ctx.q, p.residual_bytes, p.fused_attention,
                            p.dropout, p.recompute_whole_block, ctx.chip, lo.ep, p.eager_modules,
-                           lo.recompute == "op")
+                           lo.recompute == "op", BlockSaves.of(p))
 
 
 @lru_cache(maxsize=16384)
 def _kernel_compute(model: ModelDims, load: RankLoad, mb: int, s: int, tp: int, cp: int, sp: bool,
                     q: int, residual: int, fused: bool, dropout: bool, whole: bool,
-                    chip: Chip, ep: int = 1, eager: bool = False,
-                    op: bool = False) -> tuple[OpTimes, OpTimes, OpTimes]:
+                    chip: Chip, ep: int = 1, eager: bool = False, op: bool = False,
+                    saves: BlockSaves = SAVES_ALL) -> tuple[OpTimes, OpTimes, OpTimes]:
     blocks, recompute, ends = ZERO, ZERO, ZERO
     for kind, count, ck in (("dense", load.dense, load.ck_dense), ("moe", load.moe, load.ck_moe)):
         if not count:
             continue
         bt = block_times(model, kind, mb, s, tp, cp, sp, q, residual, fused, dropout, whole, chip,
-                         ep, eager)
+                         ep, eager, saves)
         blocks = blocks + (bt.forward + bt.backward).scaled(count)
         recompute = recompute + (bt.op_recompute if op else bt.recompute).scaled(ck)
     if load.last:

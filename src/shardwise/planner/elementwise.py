@@ -38,6 +38,7 @@ count. fp16 moves what bf16 does. Imports no torch.
 from __future__ import annotations
 
 from shardwise.planner.models import ModelDims
+from shardwise.planner.params import BlockSaves
 
 #: RMSNorm forward / backward bytes per element, by the bytes of its input (the residual):
 #: bf16 upcasts to fp32 (40 / 104), fp32 skips the casts (28 / 92)
@@ -93,3 +94,16 @@ def eager_bytes(model: ModelDims, kind: str, tokens: int, tp: int, sp: bool, q: 
         out.append(tokens * (rep * h / (tp if sp else 1) + whole * h + split / tp
                              + act * ffn_elems + c["D"][i] * hd))
     return out[0], out[1]
+
+
+def module_recompute_bytes(model: ModelDims, kind: str, tokens: int, tp: int, sp: bool, q: int,
+                           r: int, saves: BlockSaves, routed_elems: int) -> float:
+    """Bytes a block's backward moves again for what the implementation recomputes instead of
+    saving (`BlockSaves`): each norm's forward (reads the residual, writes its output) and the
+    routed experts' activation forward (`routed_elems`: the rank's routed activation elements a
+    token), counted as the fused model counts them."""
+    norms = 0.0 if saves.norms else 2 * (r + q) * model.hidden / (tp if sp else 1)
+    act = 0.0
+    if kind == "moe" and not saves.moe_act:
+        act = (3 if model.gated else 2) * q * routed_elems
+    return tokens * (norms + act)

@@ -51,8 +51,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.planner import op_checkpoint
-from shardwise.planner.elementwise import eager_bytes, fused_bytes
+from shardwise.planner.elementwise import eager_bytes, fused_bytes, module_recompute_bytes
 from shardwise.planner.models import ModelDims
+from shardwise.planner.params import SAVES_ALL, BlockSaves
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts
 
@@ -153,10 +154,10 @@ def memory_time(nbytes: float, chip: Chip) -> float:
 def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp: int, cp: int,
                 sp: bool, q: int, residual_bytes: int, fused: bool, dropout: bool,
                 whole_block_recompute: bool, chip: Chip, ep: int = 1,
-                eager: bool = False) -> BlockTimes:
+                eager: bool = False, saves: BlockSaves = SAVES_ALL) -> BlockTimes:
     """One block of `kind` ("dense" or "moe", its routed experts spread over `ep` ranks) on one
     rank, for one micro-batch (`eager`: its elementwise work as unfused eager kernels,
-    `planner/elementwise.py`)."""
+    `planner/elementwise.py`; `saves`: what its backward recomputes instead, there too)."""
     tokens = micro_batch * seq_len // cp
     h, a, kv, hd = model.hidden, model.heads, model.kv, model.hd
     r = max(q, residual_bytes)
@@ -194,6 +195,8 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
     count = eager_bytes if eager else fused_bytes
     fwd_bytes, bwd_bytes = count(model, kind, tokens, tp, sp, q, r, dropout, ffn_elems)
+    routed = model.top_k * model.expert_ffn // tp if kind == "moe" else 0
+    bwd_bytes += module_recompute_bytes(model, kind, tokens, tp, sp, q, r, saves, routed)
     fwd_m = memory_time(fwd_bytes, chip)
     forward = OpTimes(gemm=fwd_g, memory=fwd_m) + att_f
     backward = OpTimes(gemm=bwd_g, memory=memory_time(bwd_bytes, chip)) + att_b

@@ -105,6 +105,12 @@ and for the final norm), K and V repeated to the query head count for scaled_dot
 under grouped-query attention (q·x·2(a − kv)·hd/h), and the contiguous copy of the attention
 output that the output projection saves beside the one attention keeps (q·x·a·hd/h). Without
 them the model under-predicted the GPT's saved activations by 20-30 %.
+What an implementation recomputes or never saves comes off per block (`CostParams` ->
+`BlockSaves`): Megatron-Core's module recompute of the norms ("layernorm": their outputs, and the
+eager fp32 normalised inputs with them) and of the routed experts' activation ("moe_act": its
+output; the first GEMM's output stays, being its input), and the experts' outputs at the combine
+where the router's weights scale the activation instead (Megatron-Core's weighted activation,
+AutoModel's DeepEP experts). Their forward runs again in backward (`planner/elementwise.py`).
 A recomputed block keeps only its input (r·x; ÷t under sequence parallel) and, once, the block
 being recomputed; under per-op recompute ("op") every block keeps what the policy saves
 (`planner/op_checkpoint.py`) and, once, the rest of the block being recomputed. Context parallel
@@ -124,7 +130,7 @@ from shardwise.planner.bubble import RankLoad
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.models import ModelDims
 from shardwise.planner.op_checkpoint import saved_bytes as op_saved_bytes
-from shardwise.planner.params import CostParams
+from shardwise.planner.params import SAVES_ALL, BlockSaves, CostParams
 
 
 def compute_bytes(precision: str) -> int:
@@ -214,13 +220,15 @@ def rank_params(model: ModelDims, load: RankLoad, tp: int, ep: int) -> RankParam
 @lru_cache(maxsize=65536)
 def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp: int, sp: bool,
                      q: int, residual_bytes: int, fused: bool, dropout: bool,
-                     eager: bool = False) -> float:
+                     eager: bool = False, saves: BlockSaves = SAVES_ALL) -> float:
     """Bytes one block saves for backward for `tokens` tokens (b x s/cp) on one rank (`eager`:
-    with the eager implementation's extra tensors, see the module docstring)."""
+    with the eager implementation's extra tensors; `saves`: what the implementation recomputes
+    or never saves; see the module docstring)."""
     h = model.hidden
     x = tokens * h
     r = max(q, residual_bytes)
-    rep = 2 * r * x + 2 * q * x + (2 * x if dropout else 0) + (2 * 4 * x if eager else 0)
+    norms = (2 * q * x + (2 * 4 * x if eager else 0)) if saves.norms else 0
+    rep = 2 * r * x + norms + (2 * x if dropout else 0)
     a, hd, kv = model.heads, model.hd, model.kv
     split = q * tokens * (a + 2 * kv) * hd
     if eager:  # K/V repeated to the query heads; the output projection's copy of its input
@@ -234,8 +242,11 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
     mats = (4 if eager else 3) if model.gated else 2
     if kind == "moe":
         k = model.top_k
-        split += (mats * q * tokens * (k + model.shared_experts) * model.expert_ffn
-                  + 2 * q * k * x + 8 * tokens * model.experts)
+        # recomputed, the activation keeps only its input: the first GEMM's output
+        routed = mats if saves.moe_act else (2 if model.gated else 1)
+        combined = 1 if saves.combine else 0
+        split += (q * tokens * (routed * k + mats * model.shared_experts) * model.expert_ffn
+                  + (1 + combined) * q * k * x + 8 * tokens * model.experts)
     else:
         split += mats * q * tokens * model.ffn
     return (rep + split) / tp if sp else rep + split / tp
@@ -329,7 +340,7 @@ def rank_memory(layout: Layout, model: ModelDims, batch: Batch, load: RankLoad,
         def block(kind: str) -> float:
             return layer_activation(model, kind, tokens, batch.seq_len, lo.tp, sp, q, res,
                                     params.fused_attention, params.dropout,
-                                    params.eager_modules)
+                                    params.eager_modules, BlockSaves.of(params))
 
         kept = max(q, res) * tokens * model.hidden / (lo.tp if sp else 1)
         a_dense = block("dense") if load.dense else 0.0

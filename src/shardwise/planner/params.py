@@ -149,6 +149,16 @@ class CostParams:
     # dispatch mode). False: fused kernels (Megatron-Core, Transformer Engine, torch.compile)
     # and the textbook activations (Korthikanti et al.).
     eager_modules: bool = True
+    # Megatron-Core's module-level recompute (`recompute_modules`), elementwise work redone in
+    # backward instead of saved (`planner/memory.py`): "layernorm", the norms' outputs recomputed
+    # from their inputs; "moe_act", the routed experts' activation recomputed from the first
+    # GEMM's output. shardwise runs neither.
+    recompute_norms: bool = False
+    recompute_moe_act: bool = False
+    # Where the router's weights scale the routed experts' outputs: at the combine, which saves
+    # those outputs for the weights' gradient (shardwise's MoE, torchtitan's); False: inside the
+    # experts' activation (Megatron-Core's weighted activation), the combine saving nothing.
+    moe_weights_at_combine: bool = True
     # A CPU worker (`cpu-local`): what the process holds before its model exists (Python, torch
     # and its distributed packages, gloo, the data): 320-321 MiB measured per worker on this
     # machine (the memory event's rss_before_model_bytes_per_rank; bench_init: 322 MB); the host
@@ -202,3 +212,24 @@ FITTED_FIELDS = ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
                  "attention_efficiency_ampere", "attention_efficiency_hopper",
                  "gemm_k_half_ampere", "gemm_k_half_hopper", "overlap", "fsdp_overlap",
                  "step_host_s")
+
+
+@dataclass(frozen=True)
+class BlockSaves:
+    """Which of a block's textbook tensors the implementation keeps for backward: the norms'
+    outputs (False: recomputed, Megatron's "layernorm" module recompute), the routed experts'
+    activation output (False: Megatron's "moe_act") and the experts' outputs at the combine
+    (False: the router's weights applied inside the activation, so the combine needs none)."""
+
+    norms: bool = True
+    moe_act: bool = True
+    combine: bool = True
+
+    @classmethod
+    def of(cls, params: CostParams) -> BlockSaves:
+        return cls(norms=not params.recompute_norms, moe_act=not params.recompute_moe_act,
+                   combine=params.moe_weights_at_combine)
+
+
+#: an implementation that keeps every textbook tensor (shardwise's own)
+SAVES_ALL = BlockSaves()
