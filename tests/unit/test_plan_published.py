@@ -223,6 +223,25 @@ def test_the_probes_unstated_overlaps_bracket_what_the_run_measured() -> None:
     assert "sequence parallel o" in by_run["dp96"][0].chosen()
 
 
+def test_automodels_fsdp2_row_fits_only_as_it_reduces_every_micro_batch() -> None:
+    """NeMo AutoModel's Llama 3.1 70B probe (FSDP2 x CP2 on 64 H100s, 4 micro-batches) states
+    that it reduce-scatters every micro-batch: held unsharded instead, its gradients alone would
+    be the whole model's (70.6 B x 2 bytes, 131 GiB a rank). As stated it fits, with the sharded
+    bf16 gradients; and it is scored with the shipped fit, never fitted on."""
+    probes = published.load(REFERENCE.with_name("published_probes.toml"))
+    (row,) = [r for r in probes if r.id == "automodel-llama31-70b-64gpu"]
+    (lo,) = row.candidates
+    params = row.params(CostParams())
+    assert params.reduce_every_micro_batch and (lo.cp, lo.dp_shard, lo.zero) == (2, 32, 3)
+    stated, _ = predict_memory(lo, row.model, row.batch, params)
+    deferred, _ = predict_memory(lo, row.model, row.batch,
+                                 dataclasses.replace(params, reduce_every_micro_batch=False))
+    assert stated.total <= row.cluster.memory_bytes < deferred.total
+    assert deferred.grads == pytest.approx(2 * row.model.params, rel=0.01)
+    assert stated.grads == pytest.approx(2 * row.model.params / 64, rel=0.01)
+    assert row.source.id not in {r.source.id for r in published.load(REFERENCE)}
+
+
 def test_torchtitans_eager_and_compiled_runs_differ_by_their_elementwise_kernels() -> None:
     """torchtitan ran Llama 3.1 8B with FSDP on 128 H100s eager and compiled: 5,605 and 6,514
     tokens/s a GPU, 1.16x. The same layout's GEMMs and attention are the same kernels either
