@@ -348,6 +348,30 @@ def test_cli_bad_explain_or_tokens_exit_2(capsys, flag, value, word) -> None:
     assert word in capsys.readouterr().err
 
 
+def test_cli_validate_explains_one_published_run(capsys) -> None:
+    """`--validate FILE --explain RUN` breaks that run's prediction down at the layout it was
+    predicted at, with its source's stack, at the MFU the table printed for it. Under --json the
+    words go to stderr; an unknown id exits 2 naming ids, before any table."""
+    import json
+
+    moe = Path(__file__).resolve().parents[2] / "benchmarks" / "published_moe.toml"
+    run = "gpt-oss-120b-64b200-26.04.01"
+    assert main(["plan", "--validate", str(moe), "--explain", run]) == 0
+    out = capsys.readouterr().out
+    words = out[out.index(f"\n{run} (megatron-bridge-gpt-oss-b200): measured 20.8 % MFU, "
+                          "predicted 32.0 % (+11.2 points)"):]
+    assert "zero1-64+ep8 (micro-batch 4" in words and "exposed comm: expert parallel" in words
+    assert "tokens/s, 32.0 % MFU" in words.splitlines()[2]
+    assert "none is a blackwell run" in words and "memory: 172.7 GiB" in words
+    assert main(["plan", "--validate", str(moe), "--explain", run, "--json"]) == 0
+    both = capsys.readouterr()
+    assert len(json.loads(both.out)) == 12 and f"{run} (megatron" in both.err
+    assert main(["plan", "--validate", str(moe), "--explain", "gpt-oss"]) == 2
+    both = capsys.readouterr()
+    assert "no run of this reference set has that id" in both.err and "(12 runs)" in both.err
+    assert "mean absolute" not in both.out
+
+
 def test_cli_validate_prints_every_row_and_the_score(capsys) -> None:
     reference = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
     assert main(["plan", "--validate", str(reference)]) == 0

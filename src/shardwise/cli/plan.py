@@ -69,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--explain", default=None, metavar="LAYOUT",
                    help="break one layout's predicted step down term by term: its rank in the "
                         "table (1) or its name as printed, optionally with mbN and/or "
-                        "none|selective|full (quote it)")
+                        "none|selective|full (quote it); with --validate, a run id of the "
+                        "reference set")
     p.add_argument("--tokens", default=None, metavar="T",
                    help="a token budget (K, M, B, T in powers of ten: 15T = 1.5e13 tokens): the "
                         "predicted days, device-hours, energy and cost of the top layouts")
@@ -171,7 +172,6 @@ def _tokens(args: argparse.Namespace) -> float | None:
 def _explain(wanted: str, result, band, params, out) -> None:
     """`--explain`: the layout's decomposition, or exit 2 naming the layouts there are."""
     from shardwise.planner import explain
-    from shardwise.planner.chip import fitted_efficiencies
 
     pred = explain.find(result.feasible, wanted) or explain.find(result.rejected, wanted)
     if pred is None:
@@ -179,15 +179,45 @@ def _explain(wanted: str, result, band, params, out) -> None:
         raise UserError(f"--explain {wanted!r}: no predicted layout has that rank or name. Give "
                         "a rank from the table (1 is the best) or a name as printed, like "
                         f"{names or 'zero2-8'}; add mbN or a recompute mode to pick one variant.")
-    gen = result.cluster.device.generation
-    if gen and result.cluster.cluster.device != "cpu":
+    print("\n" + explain.explain(pred, result.cluster, band, _efficiency_note(result.cluster,
+                                                                               params),
+                                 params.eager_modules), file=out)
+
+
+def _efficiency_note(cluster, params) -> str:
+    """Which GEMM efficiency the decomposition's compute terms used, and whose fit it is."""
+    from shardwise.planner.chip import fitted_efficiencies
+
+    gen = cluster.device.generation
+    if gen and cluster.cluster.device != "cpu":
         gemm, _, k_half, basis = fitted_efficiencies(params, gen)
         whose = (f"{gen}, fitted on published runs" if basis == gen else
                  f"{basis}'s fit on published runs: none is a {gen} run")
-        note = f"e = {gemm:.3g}, k0 = {k_half:.0f} ({whose})"
-    else:
-        note = f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation"
-    print("\n" + explain.explain(pred, result.cluster, band, note, params.eager_modules),
+        return f"e = {gemm:.3g}, k0 = {k_half:.0f} ({whose})"
+    return f"here FLOPs / (peak x efficiency {params.efficiency:.3g}): no device generation"
+
+
+def _published_row(wanted: str, results):
+    """The run `wanted` names for `--validate --explain`, or exit 2 naming the runs there are."""
+    row = next((r for r in results if r.ref.id == wanted), None)
+    if row is None:
+        ids = [r.ref.id for r in results]
+        raise UserError(f"--explain {wanted!r}: no run of this reference set has that id. With "
+                        "--validate, --explain takes a run id from the table's first column, "
+                        f"like {', '.join(ids[:3])} ({len(ids)} runs).")
+    return row
+
+
+def _explain_row(row, params, out) -> None:
+    """`--validate --explain RUN`: one published run's predicted step, term by term, at the
+    layout it was predicted at, with its source's stack."""
+    from shardwise.planner import explain
+
+    stack = row.ref.params(params)
+    print(f"\n{row.ref.id} ({row.ref.source.id}): measured {100 * row.measured_mfu:.1f} % MFU, "
+          f"predicted {100 * row.predicted_mfu:.1f} % ({row.error:+.1f} points)", file=out)
+    print(explain.explain(row.prediction, row.ref.cluster, None,
+                          _efficiency_note(row.ref.cluster, stack), stack.eager_modules),
           file=out)
 
 
@@ -204,6 +234,7 @@ def validate(args: argparse.Namespace, params) -> int:
                         "form.")
     refs = published_report.load(path)
     results = validate.predict_all(refs, params)
+    row = _published_row(args.explain, results) if args.explain else None
     if args.json:
         print(json.dumps([{"run": r.ref.id, "source": r.ref.source.id,
                            "measured_mfu": r.measured_mfu, "predicted_mfu": r.predicted_mfu,
@@ -214,6 +245,8 @@ def validate(args: argparse.Namespace, params) -> int:
                                              "predicted at its own layout with "
                                              + (f"--params {args.params}" if args.params else
                                                 "the built-in CostParams")))
+    if row is not None:  # with --json, stdout stays one JSON document: the words go to stderr
+        _explain_row(row, params, sys.stderr if args.json else sys.stdout)
     return 0
 
 
