@@ -179,9 +179,8 @@ def _explain(wanted: str, result, band, params, out) -> None:
         raise UserError(f"--explain {wanted!r}: no predicted layout has that rank or name. Give "
                         "a rank from the table (1 is the best) or a name as printed, like "
                         f"{names or 'zero2-8'}; add mbN or a recompute mode to pick one variant.")
-    print("\n" + explain.explain(pred, result.cluster, band, _efficiency_note(result.cluster,
-                                                                               params),
-                                 params.eager_modules), file=out)
+    note = _efficiency_note(result.cluster, params)
+    print("\n" + explain.explain(pred, result.cluster, band, note, params.eager_modules), file=out)
 
 
 def _efficiency_note(cluster, params) -> str:
