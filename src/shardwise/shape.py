@@ -19,9 +19,11 @@ torch, and importable from every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ModelShape"]
+__all__ = ["ModelShape", "hf_sliding_window"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,44 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer (ffn is then one expert's width)
     top_k: int = 0  # routed experts a token uses
     shared_experts: int = 0  # experts every token uses
+    window: int = 0  # sliding-window attention: a query sees the last `window` tokens (0: none)
+    window_layers: int = 0  # how many of the blocks attend within `window` (the rest: causal)
 
     @property
     def head_dim(self) -> int:
         """The width of one attention head (hidden / heads; 0 without heads)."""
         return self.hidden // self.heads if self.heads else 0
+
+
+# the names Hugging Face's `layer_types` gives a block that attends within `sliding_window`
+_WINDOWED_TYPES = ("sliding_attention", "local_attention")
+
+
+def hf_sliding_window(get: Callable[[str], Any], layers: int) -> tuple[int, int]:
+    """(window, blocks that use it) from a Hugging Face config read through `get` (a key's value
+    or None), for the planner (a config.json) and the Hugging Face family (a loaded config) alike.
+
+    The conventions, in the order transformers resolves them: an explicit `layer_types` list
+    (GPT-OSS, Gemma 3, recent Qwen and Mistral configs); `use_sliding_window = false` (Qwen2/3's
+    default) turns the window off; Gemma 3's `sliding_window_pattern` (every n-th block global),
+    Gemma 2's alternation (even blocks windowed), Qwen2's `max_window_layers` (blocks from that
+    index on windowed); otherwise every block (Mistral, Phi-3, Starcoder2). (0, 0) without a
+    window."""
+    window = get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0 or layers <= 0:
+        return 0, 0
+    types = get("layer_types")
+    if isinstance(types, (list, tuple)) and types:
+        return window, sum(1 for t in types[:layers] if t in _WINDOWED_TYPES)
+    if get("use_sliding_window") is False:
+        return 0, 0
+    pattern = get("sliding_window_pattern")
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1:
+        return window, layers - layers // pattern
+    if get("model_type") == "gemma2":
+        return window, (layers + 1) // 2
+    first = get("max_window_layers")
+    if isinstance(first, int) and not isinstance(first, bool) and get("model_type") in (
+            "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        return window, max(layers - first, 0)
+    return window, layers

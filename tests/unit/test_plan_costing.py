@@ -358,10 +358,10 @@ def test_cli_validate_explains_one_published_run(capsys) -> None:
     run = "gpt-oss-120b-64b200-26.04.01"
     assert main(["plan", "--validate", str(moe), "--explain", run]) == 0
     out = capsys.readouterr().out
-    words = out[out.index(f"\n{run} (megatron-bridge-gpt-oss-b200): measured 20.8 % MFU, "
-                          "predicted 32.0 % (+11.2 points)"):]
+    words = out[out.index(f"\n{run} (megatron-bridge-gpt-oss-b200): measured 19.7 % MFU, "
+                          "predicted 31.2 % (+11.5 points)"):]
     assert "zero1-64+ep8 (micro-batch 4" in words and "exposed comm: expert parallel" in words
-    assert "tokens/s, 32.0 % MFU" in words.splitlines()[2]
+    assert "tokens/s, 31.2 % MFU" in words.splitlines()[2]
     assert "none is a blackwell run" in words and "memory: 172.7 GiB" in words
     assert main(["plan", "--validate", str(moe), "--explain", run, "--json"]) == 0
     both = capsys.readouterr()

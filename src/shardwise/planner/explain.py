@@ -127,7 +127,8 @@ def _fill(pred: Prediction, params_note: str, eager: bool) -> dict[str, str]:
         "memory_bound": "bytes moved / HBM bandwidth, op by op: " + (
             "eager modules, one kernel an op (bytes counted on the built-in block, "
             "planner/elementwise.py)" if eager else "fused kernels, the least each op moves"),
-        "attention": "fused kernels: the causal half of the square / (peak x attention "
+        "attention": "fused kernels: the keys each query attends (the causal half of the "
+                     "square; a sliding window's in a windowed block) / (peak x attention "
                      "efficiency); unfused: batched GEMMs over the full square + softmax bytes",
         "tp_how": "2 all-gathers + 2 reduce-scatters" if lo.sequence_parallel else
                   "2 all-reduces forward, 2 backward",

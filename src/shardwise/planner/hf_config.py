@@ -19,6 +19,7 @@ from typing import Any
 
 from shardwise.errors import SpecError, show
 from shardwise.planner.models import ModelDims, mla_attention
+from shardwise.shape import hf_sliding_window
 
 HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
@@ -141,10 +142,7 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         attn, head_dim = mla_attention(hidden, heads, q_rank, kv_rank, nope, rope, v)
         kv = heads
         notes.append("MLA approximated as MHA (heads of the mean q/k and v width), weights exact")
-    window = config.get("sliding_window")
-    if isinstance(window, int) and not isinstance(window, bool) and window > 0 \
-            and config.get("use_sliding_window", True) is not False:
-        notes.append(f"sliding-window attention ({window}) planned as full causal attention")
+    window, windowed = hf_sliding_window(config.get, layers)  # the model line says it
     max_pos = get("max_position_embeddings", 0, minimum=0)
     dims = ModelDims(name=path.parent.name if path.name == "config.json" and path.parent.name
                      else path.stem, layers=layers, hidden=hidden, heads=heads,
@@ -152,6 +150,7 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
                      tied=tied, gated=gated, head_dim=head_dim, experts=experts, top_k=top_k,
                      shared_experts=shared, expert_ffn=moe_ffn or 0,
                      dense_layers=min(dense_layers, layers), attn_params=attn,
+                     window=window if windowed else 0, window_layers=windowed,
                      note="; ".join(notes), source=str(path))
     if dims.moe and dims.dense_layers and not dims.ffn:
         raise SpecError(f"{path}: first_k_dense_replace = {dense_layers} dense blocks need "

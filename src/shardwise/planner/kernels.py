@@ -16,7 +16,9 @@ class is timed by what bounds it:
   tiles share the waves. (An earlier version timed them as one GEMM of all the routed rows: one
   weight's gradient, whose output of k x n tiles left most of an H100 idle.)
 - **Attention**: fused (FlashAttention-style) kernels skip the masked half of a causal square and
-  run forward (2 matmuls) and backward (5) at the generation's attention efficiency; unfused
+  run forward (2 matmuls) and backward (5) at the generation's attention efficiency; in a
+  sliding-window block they compute the window's keys (`telemetry.flops.attended_keys`) plus half
+  a 128-key tile a query, the partial tile at the window's far edge; unfused
   attention runs its score and value matmuls as batched GEMMs over the full square and moves the
   s x s scores through HBM for softmax (and dropout).
 - **Memory-bound** work (norms, residual adds, dropout, the MLP activation, the loss's softmax,
@@ -54,6 +56,7 @@ from shardwise.planner import op_checkpoint
 from shardwise.planner.elementwise import eager_bytes, fused_bytes, module_recompute_bytes
 from shardwise.planner.models import ModelDims
 from shardwise.planner.params import SAVES_ALL, BlockSaves
+from shardwise.telemetry.flops import attended_keys
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts
 
@@ -192,7 +195,8 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     for n_tok, k, n, groups in mats:
         f, b = linear_times(n_tok, k, n, chip, q, groups)
         fwd_g, bwd_g, last_fwd = fwd_g + f, bwd_g + b, f
-    att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip)
+    att_f, att_b = _attention(micro_batch, seq_len, tp, cp, a, hd, q, fused, dropout, chip,
+                              _kernel_keys(model, seq_len))
     count = eager_bytes if eager else fused_bytes
     fwd_bytes, bwd_bytes = count(model, kind, tokens, tp, sp, q, r, dropout, ffn_elems)
     routed = model.top_k * model.expert_ffn // tp if kind == "moe" else 0
@@ -235,13 +239,29 @@ def tp_paired_gemms(model: ModelDims, micro_batch: int, seq_len: int, tp: int, c
     return fwd, bwd
 
 
+def _kernel_keys(model: ModelDims, seq_len: int) -> float:
+    """Keys a fused kernel multiplies a query with, averaged over the blocks: T/2 in a causal
+    block (the diagonal tiles' waste is in the fitted attention efficiency), the window's keys
+    plus half a tile in a windowed one (its far edge cuts a tile, as the diagonal does)."""
+    causal = seq_len / 2
+    share = model.window_share
+    if not share:
+        return causal
+    windowed = min(causal, attended_keys(seq_len, model.window) + TILE / 2)
+    return (1.0 - share) * causal + share * windowed
+
+
 def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd: int, q: int,
-               fused: bool, dropout: bool, chip: Chip) -> tuple[OpTimes, OpTimes]:
-    """(forward, backward) of the attention core of one block on one rank."""
+               fused: bool, dropout: bool, chip: Chip,
+               keys: float | None = None) -> tuple[OpTimes, OpTimes]:
+    """(forward, backward) of the attention core of one block on one rank; `keys`: the keys a
+    fused kernel multiplies each query with (None: the causal half, T/2). Unfused attention
+    multiplies the full square whatever the mask."""
     local_heads = max(heads // tp, 1)
     if fused:
         # causal: each rank's queries see half the keys on average (load-balanced across cp)
-        fwd_flops = 2.0 * micro_batch * seq_len * seq_len * local_heads * hd / cp
+        attended = seq_len / 2 if keys is None else keys
+        fwd_flops = 4.0 * micro_batch * seq_len * attended * local_heads * hd / cp
         t = fwd_flops / (chip.peak * chip.attention)
         return OpTimes(attention=t), OpTimes(attention=2.5 * t)
     s = seq_len // cp

@@ -48,6 +48,8 @@ class ModelDims:
     expert_ffn: int = 0  # width of one expert's FFN
     dense_layers: int = 0  # leading blocks with a dense FFN in an MoE model
     attn_params: int = 0  # attention weights per block when not GQA's formula (MLA); 0: formula
+    window: int = 0  # sliding-window attention: a query sees the last `window` tokens (0: none)
+    window_layers: int = 0  # blocks that attend within `window` (the others: causal over all)
     supports_tp: bool = True  # the model's plan has a tensor-parallel map
     supports_pp: bool = True  # the model's plan has a pipeline cut
     supports_recompute: bool = True  # the model's plan names its blocks
@@ -79,6 +81,13 @@ class ModelDims:
     @property
     def moe(self) -> bool:
         return self.experts > 0 and self.top_k > 0
+
+    @property
+    def window_share(self) -> float:
+        """The share of the blocks whose attention is windowed. Every block is costed at the
+        blocks' mean attention: a pipeline stage is not told which blocks it holds windowed."""
+        return min(self.window_layers, self.layers) / self.layers \
+            if self.window and self.layers > 0 else 0.0
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe and i >= self.dense_layers
@@ -185,7 +194,8 @@ class ModelDims:
         matmul = self.layer_matmul_params(kind)
         return FlopCounts(n_layers=1, layer_matmul_params=matmul, head_matmul_params=0,
                           n_heads=self.heads, head_dim=self.hd, seq_len=seq_len, causal=True,
-                          recompute_matmul_params=matmul - last)
+                          recompute_matmul_params=matmul - last, window=self.window,
+                          window_share=self.window_share)
 
     def head_flops(self, seq_len: int) -> FlopCounts:
         """The output projection (it counts whether tied or not: a d x V matmul either way)."""
@@ -204,7 +214,8 @@ class ModelDims:
         per_layer, rest = divmod(blocks, self.layers)
         return FlopCounts(n_layers=self.layers, layer_matmul_params=per_layer,
                           head_matmul_params=self.vocab * self.hidden + rest, n_heads=self.heads,
-                          head_dim=self.hd, seq_len=seq_len, causal=True)
+                          head_dim=self.hd, seq_len=seq_len, causal=True, window=self.window,
+                          window_share=self.window_share)
 
     # --- from the shape vocabulary ------------------------------------------------------------
     @classmethod
@@ -228,6 +239,8 @@ class ModelDims:
                    shared_experts=int(getattr(shape, "shared_experts", 0) or 0) if experts
                    else 0,
                    expert_ffn=int(shape.ffn or 0) if experts else 0,
+                   window=int(getattr(shape, "window", 0) or 0),
+                   window_layers=int(getattr(shape, "window_layers", 0) or 0),
                    supports_tp=supports_tp, supports_pp=supports_pp,
                    default_global_batch=default_global_batch, note=note, source="model plan")
         if dims.opaque:
@@ -253,6 +266,10 @@ class ModelDims:
                    f"top-{self.top_k}"
                    f"{f' + {self.shared_experts} shared' if self.shared_experts else ''}, "
                    f"{self.active_params / 1e9:.3g} B active")
+        if self.window and self.window_layers:
+            some = "every block" if self.window_layers >= self.layers \
+                else f"{self.window_layers} of {self.layers} blocks"
+            heads += f", a sliding window of {self.window} in {some}"
         return (f"{self.name}: {self.params / 1e9:.4g} B parameters, {self.layers} layers, hidden "
                 f"{self.hidden}, {heads}, vocab {self.vocab}{', tied' if self.tied else ''}{ffn}")
 

@@ -39,8 +39,9 @@ MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ffn", "dense_layers")
 #: multi-head latent attention (DeepSeek-V2/V3, `models.mla_attention`); q_lora_rank 0: a full
 #: query projection
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+WINDOW_KEYS = ("window", "window_layers")  # sliding-window attention
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gated", "tied",
-              "head_dim", *MOE_KEYS, *MLA_KEYS)
+              "head_dim", *MOE_KEYS, *MLA_KEYS, *WINDOW_KEYS)
 MAX_UNKNOWN_MICRO_BATCH = 8
 
 
@@ -185,6 +186,7 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
     if not hd and sizes["hidden"] % sizes["heads"]:
         raise SpecError(f"{where}: heads = {sizes['heads']} does not divide hidden = "
                         f"{sizes['hidden']}; state head_dim if the heads are not hidden / heads wide.")
+    window, windowed = _window(table, sizes["layers"], where)
     flags = {k: table.get(k, default) for k, default in (("gated", True), ("tied", False))}
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -195,7 +197,25 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
                      attn_params=attn, experts=moe.get("experts", 0),
                      top_k=moe.get("top_k", 0), shared_experts=moe.get("shared_experts", 0),
                      expert_ffn=moe.get("expert_ffn", 0), dense_layers=moe.get("dense_layers", 0),
-                     source=origin)
+                     window=window, window_layers=windowed, source=origin)
+
+
+def _window(table: Mapping[str, Any], layers: int, where: str) -> tuple[int, int]:
+    """A model's sliding window: `window` tokens in `window_layers` of its blocks (every block
+    when left out); (0, 0) without one."""
+    if "window" not in table:
+        if "window_layers" in table:
+            raise SpecError(f"{where}: window_layers = {table['window_layers']!r} needs window "
+                            "(the tokens a windowed block's queries see); state it, or remove "
+                            "window_layers.")
+        return 0, 0
+    window = _whole(table["window"], "window", where)
+    windowed = table.get("window_layers", layers)
+    if isinstance(windowed, bool) or not isinstance(windowed, int) or not 1 <= windowed <= layers:
+        raise SpecError(f"{where}: window_layers = {windowed!r} must be a whole number from 1 to "
+                        f"layers = {layers} (the blocks that attend within the window; leave it "
+                        "out for every block).")
+    return window, windowed
 
 
 def _moe(table: Mapping[str, Any], where: str) -> dict[str, int]:

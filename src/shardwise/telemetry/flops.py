@@ -15,7 +15,9 @@ The declared definition (written into every run's manifest as `flops_formula`):
 - 12·L·H·Q·T (PaLM, appendix B) is QKᵀ and AV over the full T×T square, forward and backward,
   for H query heads of width Q (grouped-query attention shares K/V heads but still multiplies
   every query head). A causal mask makes half of that square zero; MFU counts only the useful
-  half (`causal_halved=True`), as kernels that skip masked blocks do.
+  half (`causal_halved=True`), as kernels that skip masked blocks do. A block with sliding-window
+  attention (a query sees the last w tokens) counts the keys it attends, w - w²/(2T) a query on
+  average (`attended_keys`) instead of T/2: T·½ in the formula becomes that for those blocks.
 - N_rec is the block weights the recompute actually multiplies: torch's non-reentrant checkpoint
   stops early, once every tensor backward needs is recomputed, so a block's last projection (its
   output feeds only the residual add) is not run again. For GPT, N_rec = N_block - d·ffn (w2).
@@ -37,7 +39,8 @@ from shardwise.shape import ModelShape
 
 FLOPS_FORMULA = (
     "model_flops_per_token = 6*N + 12*L*H*Q*T/2 (causal attention counted once: half the TxT "
-    "square); N = weights in matmuls per token (block projections + output projection, tied or "
+    "square; a sliding-window block of window w counts w - w^2/(2T) keys a query instead of "
+    "T/2); N = weights in matmuls per token (block projections + output projection, tied or "
     "not; no embedding lookup, no norms; MoE: active weights); hardware_flops_per_token adds the "
     "recomputed forward 2*N_rec*R + 4*R*H*Q*T/2 for R activation-checkpointed blocks (N_rec: "
     "the block weights recompute multiplies again; torch stops before a block's last projection); "
@@ -61,6 +64,8 @@ class FlopCounts:
     # non-reentrant checkpoint stops recomputing once every tensor backward needs is back, so a
     # final projection whose output nothing saves (GPT's w2) is not run again.
     recompute_matmul_params: int | None = None
+    window: int = 0  # sliding-window attention's window (0: none)
+    window_share: float = 0.0  # the share of the blocks that attend within it
 
     @classmethod
     def of(cls, shape: ModelShape) -> FlopCounts:
@@ -82,7 +87,8 @@ class FlopCounts:
         return cls(n_layers=shape.layers, layer_matmul_params=per_layer,
                    head_matmul_params=h * shape.vocab, n_heads=shape.heads, head_dim=hd,
                    seq_len=shape.seq_len, causal=True,
-                   recompute_matmul_params=per_layer - h * ffn)
+                   recompute_matmul_params=per_layer - h * ffn, window=shape.window,
+                   window_share=shape.window_layers / shape.layers if shape.window else 0.0)
 
     @property
     def matmul_params(self) -> int:
@@ -91,9 +97,18 @@ class FlopCounts:
 
     def attention(self, layers: int, passes: int, causal_halved: bool) -> float:
         """Score and value matmuls of `layers` blocks per token; passes: 1 forward = 4·H·Q·T,
-        forward + backward = 3 passes = 12·H·Q·T."""
-        full = 4.0 * passes * layers * self.n_heads * self.head_dim * self.seq_len
-        return full / 2 if (causal_halved and self.causal) else full
+        forward + backward = 3 passes = 12·H·Q·T (`causal_halved`: the keys a query attends, T/2,
+        or fewer in sliding-window blocks, averaged over the blocks)."""
+        return 4.0 * passes * layers * self.n_heads * self.head_dim * self.keys(causal_halved)
+
+    def keys(self, causal_halved: bool = True) -> float:
+        """Keys a query is multiplied with, averaged over the blocks: the full square's T, or
+        under the causal mask T/2 in a causal block and `attended_keys` in a windowed one."""
+        if not (causal_halved and self.causal):
+            return float(self.seq_len)
+        share = self.window_share if self.window else 0.0
+        return ((1.0 - share) * self.seq_len / 2
+                + share * attended_keys(self.seq_len, self.window))
 
     def per_token(self, causal_halved: bool = True) -> float:
         """Model FLOPs per token (forward + backward), the MFU numerator."""
@@ -109,6 +124,15 @@ class FlopCounts:
         """Hardware FLOPs per token: model FLOPs plus the recomputed forward (the HFU numerator)."""
         return (self.per_token(causal_halved)
                 + self.recompute_per_token(recomputed_blocks, causal_halved))
+
+
+def attended_keys(seq_len: int, window: int) -> float:
+    """Keys a query attends under a causal mask within the last `window` tokens, averaged over
+    the sequence: the integral of min(x, w) over [0, T] over T = w - w²/(2T), which is T/2 (the
+    causal half) once the window spans the sequence; 0 means no window."""
+    if window <= 0 or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
 
 
 def recomputed_blocks(mode: str, ac_every: int, n_layers: int) -> int:

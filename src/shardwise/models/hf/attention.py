@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.shape import hf_sliding_window
+
 NAME = "shardwise"
 ATTENTION_ATTR = "attention_fn"
 
@@ -100,8 +102,10 @@ def check_context_parallel(config: Any) -> None:
     for field in ("attention_dropout", "attn_pdrop"):
         if float(getattr(config, field, 0.0) or 0.0) > 0:
             problems.append(f"{field} = {getattr(config, field)}")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        problems.append(f"sliding_window = {config.sliding_window}")
+    window, windowed = hf_sliding_window(lambda key: getattr(config, key, None),
+                                         int(getattr(config, "num_hidden_layers", 0) or 0))
+    if windowed:
+        problems.append(f"sliding_window = {window}")
     if getattr(config, "attn_logit_softcapping", None):
         problems.append(f"attn_logit_softcapping = {config.attn_logit_softcapping}")
     if problems:

@@ -37,7 +37,7 @@ from shardwise.models.plan import (
     find_tied,
     unique_params,
 )
-from shardwise.shape import ModelShape
+from shardwise.shape import ModelShape, hf_sliding_window
 from shardwise.telemetry.flops import FlopCounts
 
 # HF tensor-parallel style -> shardwise style. `output` / `embedding` are decided by the module
@@ -249,7 +249,14 @@ def _shape(model: HFCausalLM, cfg: Any, seq_len: int) -> ModelShape:
                       _cfg(cfg, "intermediate_size", "n_inner", default=4 * hidden),
                       vocab=_cfg(cfg, "vocab_size"), seq_len=seq_len,
                       experts=moe.experts if moe else _cfg(cfg, "num_local_experts", "num_experts"),
-                      top_k=moe.top_k if moe else 0)
+                      top_k=moe.top_k if moe else 0,
+                      **_window(cfg, model.layout.n_layers))
+
+
+def _window(cfg: Any, layers: int) -> dict[str, int]:
+    """The config's sliding window (`shape.hf_sliding_window`): FLOPs count the keys it leaves."""
+    window, windowed = hf_sliding_window(lambda key: getattr(cfg, key, None), layers)
+    return {"window": window, "window_layers": windowed}
 
 
 def _flops(model: HFCausalLM, cfg: Any, seq_len: int) -> FlopCounts:
@@ -269,6 +276,9 @@ def _flops(model: HFCausalLM, cfg: Any, seq_len: int) -> FlopCounts:
     heads = _cfg(cfg, "num_attention_heads", "n_head", default=1)
     hidden = _cfg(cfg, "hidden_size", "n_embd")
     head_dim = _cfg(cfg, "head_dim", default=hidden // heads)
+    window = _window(cfg, lay.n_layers)
     return FlopCounts(n_layers=lay.n_layers, layer_matmul_params=per_layer,
                       head_matmul_params=head.shape[0] * head.shape[1], n_heads=heads,
-                      head_dim=head_dim, seq_len=seq_len, causal=True)
+                      head_dim=head_dim, seq_len=seq_len, causal=True,
+                      window=window["window"],
+                      window_share=window["window_layers"] / lay.n_layers if lay.n_layers else 0.0)
