@@ -167,6 +167,54 @@ def test_hugging_face_configs(tmp_path: Path) -> None:
     assert ds.params == preset("deepseek-v3").params
 
 
+LLAMA4_TEXT = dict(model_type="llama4_text", num_hidden_layers=48, hidden_size=5120,
+                   num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                   intermediate_size=8192, intermediate_size_mlp=16384, num_experts_per_tok=1,
+                   vocab_size=202048, max_position_embeddings=10485760)
+
+
+@pytest.mark.parametrize("config, total, active, moe_blocks", [
+    # Llama 4 Scout and Maverick (Meta 2025: 109 B / 400 B total with the vision encoder, 17 B
+    # active): one shared expert a MoE block with no key for it; Maverick routes every other
+    # block, its dense ones intermediate_size_mlp wide
+    (dict(model_type="llama4", text_config=dict(LLAMA4_TEXT, num_local_experts=16,
+                                                interleave_moe_layer_step=1)),
+     107.8e9, 17.2e9, 48),
+    (dict(model_type="llama4", text_config=dict(LLAMA4_TEXT, num_local_experts=128,
+                                                interleave_moe_layer_step=2)),
+     400.7e9, 17.2e9, 24),
+    # Qwen1.5-MoE-A2.7B (14.3 B, 2.7 B active): a shared expert four experts wide
+    (dict(model_type="qwen2_moe", num_hidden_layers=24, hidden_size=2048, num_attention_heads=16,
+          num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
+          shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+          decoder_sparse_step=1, vocab_size=151936, tie_word_embeddings=False),
+     14.32e9, 2.69e9, 24),
+    # the same with decoder_sparse_step = 2: odd blocks route, even ones are 5,632-wide dense
+    (dict(model_type="qwen2_moe", num_hidden_layers=24, hidden_size=2048, num_attention_heads=16,
+          num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
+          shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+          decoder_sparse_step=2, vocab_size=151936, tie_word_embeddings=False),
+     None, None, 12),
+], ids=["llama4-scout", "llama4-maverick", "qwen1.5-moe", "qwen-moe-sparse-step-2"])
+def test_interleaved_and_shared_experts_from_hugging_face_configs(
+        tmp_path: Path, config, total, active, moe_blocks) -> None:
+    dims = dims_from_hf_config(_hf(tmp_path, **config))
+    kinds = dims.layer_kinds
+    assert kinds.count("moe") == moe_blocks
+    assert all(k == ("moe" if (i + 1) % dims.moe_every == 0 else "dense")
+               for i, k in enumerate(kinds))
+    if total:
+        assert dims.params == pytest.approx(total, rel=2e-3)
+        assert dims.active_params == pytest.approx(active, rel=5e-3)
+    if dims.moe_every > 1:
+        assert f"in {len(kinds) - moe_blocks} dense blocks" in dims.describe()
+        broken = dict(config.get("text_config", config))
+        broken.pop("intermediate_size_mlp", None)
+        if "moe_intermediate_size" not in broken:  # Llama 4: its dense width is stated apart
+            with pytest.raises(SpecError, match="dense FFN blocks of a width the config does"):
+                dims_from_hf_config(_hf(tmp_path, **broken))
+
+
 # Published configs of other families (their Hugging Face config.json keys, abridged) and the
 # parameter counts their model cards state (GPT-2 124 M: 124,439,808 with biases and positions).
 HF_FAMILIES = [

@@ -218,8 +218,15 @@ def test_expert_gradients_reduce_on_the_expert_data_parallel_group() -> None:
     ("experts = 128\ntop_k = 4", "experts = 4\ntop_k = 8", ["top_k = 8 is more than the 4"]),
     ("dense_layers = 1", "dense_layers = 61", ["dense_layers = 61 leaves no MoE block"]),
     ("expert_ffn = 2880", "expert_ffn = 2880\nffn = 11520",
-     ["[models.gpt-oss-120b]", "ffn = 11520 has no block to apply to", "Remove ffn"]),
+     ["[models.gpt-oss-120b]", "ffn = 11520 has no block to apply to", "Remove ffn",
+      "moe_every"]),
     ("dense_layers = 3", "dense_layers = -1", ["dense_layers = -1 must be a whole number"]),
+    ("expert_ffn = 2880", "expert_ffn = 2880\nmoe_every = 0",
+     ["[models.gpt-oss-120b]", "moe_every = 0 must be a whole number of at least 1"]),
+    ("expert_ffn = 2880", "expert_ffn = 2880\nmoe_every = 2",
+     ["[models.gpt-oss-120b] does not set ffn"]),
+    ("expert_ffn = 2880", "expert_ffn = 2880\nmoe_every = 37\nffn = 2880",
+     ["moe_every = 37 leaves no MoE block of the 36"]),
     ("v_head_dim = 128\nexperts = 256", "experts = 256",
      ["[models.deepseek-v3]", "latent attention needs v_head_dim"]),
     ("q_lora_rank = 1536\nkv_lora_rank = 512\nqk_nope_head_dim = 128\nqk_rope_head_dim = 64\n"
@@ -444,3 +451,14 @@ def test_plan_of_an_moe_config_prints_the_moe_band(tmp_path, capsys) -> None:
     assert main([*args, "--json"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert best["mfu_interval"] == pytest.approx([best["mfu"] * band.low, best["mfu"] * band.high])
+
+
+def test_a_reference_sets_model_may_route_every_other_block(tmp_path) -> None:
+    """moe_every = 2 with a dense ffn: GPT-OSS's odd blocks routed, its even ones dense."""
+    text = MOE.read_text(encoding="utf-8")
+    path = tmp_path / "every_other.toml"
+    path.write_text(text.replace("expert_ffn = 2880\n", "expert_ffn = 2880\nmoe_every = 2\n"
+                                 "ffn = 5760\n", 1), encoding="utf-8")
+    model = next(r for r in published.load(path) if r.model.name == "gpt-oss-120b").model
+    assert model.moe_every == 2 and model.ffn == 5760
+    assert model.layer_kinds == ("dense", "moe") * 18

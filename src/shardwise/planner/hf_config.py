@@ -22,6 +22,9 @@ from shardwise.planner.models import ModelDims, mla_attention
 from shardwise.shape import hf_sliding_window
 
 HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+MOE_STEP_KEYS = ("interleave_moe_layer_step", "decoder_sparse_step")
+#: families whose MoE block adds one shared expert of the experts' width with no key saying so
+ONE_SHARED_EXPERT = frozenset({"llama4", "llama4_text"})
 
 #: families whose MLP is two matrices (up, activation, down), with the width when unstated
 PLAIN_MLP = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gptj", "codegen", "opt",
@@ -32,13 +35,15 @@ GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwe
                        "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "phimoe",
                        "deepseek_v2", "deepseek_v3", "olmo", "olmo2", "olmoe", "granite",
                        "granitemoe", "cohere", "cohere2", "internlm2", "stablelm", "minicpm",
-                       "exaone", "glm", "glm4", "dbrx", "jamba", "arcee", "smollm3", "hunyuan"})
+                       "exaone", "glm", "glm4", "dbrx", "jamba", "arcee", "smollm3", "hunyuan",
+                       "llama4", "llama4_text", "gpt_oss"})
 #: families whose classes default `tie_word_embeddings` to false (PretrainedConfig's default,
 #: and so every other family's, is true)
 UNTIED_BY_DEFAULT = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
                                "qwen3_moe", "phi3", "phimoe", "gpt_neox", "deepseek_v2",
                                "deepseek_v3", "olmo", "olmo2", "olmoe", "granite", "granitemoe",
-                               "internlm2", "stablelm", "exaone", "dbrx", "nemotron", "jamba"})
+                               "internlm2", "stablelm", "exaone", "dbrx", "nemotron", "jamba",
+                               "llama4", "llama4_text", "gpt_oss"})
 ENCODER_ONLY = frozenset({"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra",
                           "albert", "distilbert", "camembert", "mpnet", "modernbert", "ernie"})
 #: the common key first, then the families' aliases (Hugging Face's attribute maps)
@@ -60,7 +65,9 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
     width and whether it is gated (by `model_type`, see the module docstring), vocabulary, tied
     embeddings, head_dim, MoE (`num_experts` / `n_routed_experts` / `num_local_experts`,
     `num_experts_per_tok`, `moe_intermediate_size`, `n_shared_experts` or
-    `shared_expert_intermediate_size`, `first_k_dense_replace`) and DeepSeek's MLA ranks."""
+    `shared_expert_intermediate_size`, `first_k_dense_replace`, Llama 4's
+    `interleave_moe_layer_step` / Qwen-MoE's `decoder_sparse_step`), a sliding window
+    (`shape.hf_sliding_window`) and DeepSeek's MLA ranks."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"model config {path} does not exist (or is not a file). Pass a preset, a "
@@ -123,9 +130,23 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         ffn = 4 * hidden  # GPT-2, BLOOM, Falcon, GPT-Neo: the plain MLP's width when unstated
     else:
         ffn = get("intermediate_size", required=not experts or moe_ffn is None)
-    if experts and not moe_ffn:  # Mixtral: intermediate_size is the expert width, no dense FFN
-        moe_ffn, ffn = ffn, 0
+    if experts and not moe_ffn:
+        # Mixtral, Llama 4: intermediate_size is the expert width; Llama 4's dense blocks (those
+        # its interleave step leaves) are intermediate_size_mlp wide
+        moe_ffn, ffn = ffn, get("intermediate_size_mlp", 0, minimum=0)
+    # every moe_every-th block routes (Llama 4 Maverick's interleave_moe_layer_step, Qwen-MoE's
+    # decoder_sparse_step); the others have the dense FFN
+    moe_every = next((get(k) for k in MOE_STEP_KEYS if config.get(k)), 1) if experts else 1
+    if moe_every > 1 and not ffn:
+        raise SpecError(f"{path}: {moe_every} in {moe_every} blocks leave the experts to "
+                        "dense FFN blocks of a width the config does not state "
+                        "(intermediate_size_mlp or intermediate_size); add it.")
+    only_dense = config.get("mlp_only_layers")
+    if experts and isinstance(only_dense, list) and only_dense:
+        notes.append(f"mlp_only_layers {only_dense} planned as MoE blocks")
     shared = get("n_shared_experts", 0, minimum=0) if experts else 0
+    if experts and not shared and family in ONE_SHARED_EXPERT:
+        shared = 1
     shared_width = get("shared_expert_intermediate_size", 0, minimum=0) if experts else 0
     if experts and shared_width and not shared:
         shared = max(1, round(shared_width / moe_ffn))
@@ -149,7 +170,8 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
                      kv_heads=kv, ffn=ffn or 0, vocab=vocab, seq_len=min(max_pos or 4096, 8192),
                      tied=tied, gated=gated, head_dim=head_dim, experts=experts, top_k=top_k,
                      shared_experts=shared, expert_ffn=moe_ffn or 0,
-                     dense_layers=min(dense_layers, layers), attn_params=attn,
+                     dense_layers=min(dense_layers, layers), moe_every=moe_every,
+                     attn_params=attn,
                      window=window if windowed else 0, window_layers=windowed,
                      note="; ".join(notes), source=str(path))
     if dims.moe and dims.dense_layers and not dims.ffn:

@@ -47,6 +47,7 @@ class ModelDims:
     shared_experts: int = 0  # experts every token uses
     expert_ffn: int = 0  # width of one expert's FFN
     dense_layers: int = 0  # leading blocks with a dense FFN in an MoE model
+    moe_every: int = 1  # block i routes when (i + 1) % moe_every == 0 (Llama 4's interleave step)
     attn_params: int = 0  # attention weights per block when not GQA's formula (MLA); 0: formula
     window: int = 0  # sliding-window attention: a query sees the last `window` tokens (0: none)
     window_layers: int = 0  # blocks that attend within `window` (the others: causal over all)
@@ -90,7 +91,7 @@ class ModelDims:
             if self.window and self.layers > 0 else 0.0
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe and i >= self.dense_layers
+        return self.moe and i >= self.dense_layers and (i + 1) % max(self.moe_every, 1) == 0
 
     @cached_property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -259,9 +260,10 @@ class ModelDims:
         if not self.moe:
             ffn = f", FFN {self.ffn}{mlp}"
         else:  # the dense width only where dense blocks use it; the experts' own width
-            plural = "s" if self.dense_layers > 1 else ""
-            dense = f", FFN {self.ffn}{mlp} in {self.dense_layers} dense block{plural}" \
-                if self.dense_layers and self.ffn else ""
+            n_dense = self.layer_kinds.count("dense")
+            plural = "s" if n_dense > 1 else ""
+            dense = f", FFN {self.ffn}{mlp} in {n_dense} dense block{plural}" \
+                if n_dense and self.ffn else ""
             ffn = (f"{dense}, MoE {self.experts} experts of FFN {self.expert_ffn}{mlp} "
                    f"top-{self.top_k}"
                    f"{f' + {self.shared_experts} shared' if self.shared_experts else ''}, "

@@ -35,7 +35,7 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "schedule", "v", "micro_bat
                "sequence_parallel", "order")
 #: a mixture of experts: routed experts, how many a token uses, always-active shared experts of
 #: the same width, one expert's FFN width, and the leading blocks that are dense (FFN `ffn`)
-MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ffn", "dense_layers")
+MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ffn", "dense_layers", "moe_every")
 #: multi-head latent attention (DeepSeek-V2/V3, `models.mla_attention`); q_lora_rank 0: a full
 #: query projection
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -141,19 +141,23 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
     where = f"{origin}: [models.{name}]"
     moe = _moe(table, where)
     # an MoE model whose every block routes has no dense FFN to state
-    needed = ("layers", "hidden", "heads", "vocab") + (
-        () if moe and not moe["dense_layers"] else ("ffn",))
+    every_block_routes = bool(moe) and not moe["dense_layers"] and moe["moe_every"] == 1
+    needed = ("layers", "hidden", "heads", "vocab") + (() if every_block_routes else ("ffn",))
     missing = [k for k in needed if k not in table]
     if missing:
         raise SpecError(f"{where} does not set {', '.join(missing)}; a model states layers, "
                         "hidden, heads, ffn (the dense FFN width; an MoE model whose every block "
                         "routes may leave it out) and vocab.")
-    if moe and not moe["dense_layers"] and "ffn" in table:
+    if every_block_routes and "ffn" in table:
         raise SpecError(f"{where}: ffn = {table['ffn']!r} has no block to apply to: every block "
-                        "of this MoE model routes (dense_layers = 0), and its experts, shared "
-                        "ones included, are expert_ffn wide. Remove ffn, or state dense_layers "
-                        "for the leading dense blocks it sizes.")
+                        "of this MoE model routes (dense_layers = 0, moe_every = 1), and its "
+                        "experts, shared ones included, are expert_ffn wide. Remove ffn, or state "
+                        "the dense blocks it sizes (dense_layers leading, or moe_every).")
     sizes = {k: _whole(table[k], k, where) for k in needed}
+    if moe and moe["moe_every"] > sizes["layers"]:
+        raise SpecError(f"{where}: moe_every = {moe['moe_every']} leaves no MoE block of the "
+                        f"{sizes['layers']}; state at most layers, or drop the MoE keys for a "
+                        "dense model.")
     if moe and moe["dense_layers"] >= sizes["layers"]:
         raise SpecError(f"{where}: dense_layers = {moe['dense_layers']} leaves no MoE block of "
                         f"the {sizes['layers']}; state fewer, or drop the MoE keys for a dense "
@@ -197,6 +201,7 @@ def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
                      attn_params=attn, experts=moe.get("experts", 0),
                      top_k=moe.get("top_k", 0), shared_experts=moe.get("shared_experts", 0),
                      expert_ffn=moe.get("expert_ffn", 0), dense_layers=moe.get("dense_layers", 0),
+                     moe_every=moe.get("moe_every", 1),
                      window=window, window_layers=windowed, source=origin)
 
 
@@ -232,6 +237,11 @@ def _moe(table: Mapping[str, Any], where: str) -> dict[str, int]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: none).")
         moe[key] = value
+    every = table.get("moe_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise SpecError(f"{where}: moe_every = {every!r} must be a whole number of at least 1 "
+                        "(block i routes when (i + 1) % moe_every == 0; 1: every block).")
+    moe["moe_every"] = every
     if moe["top_k"] > moe["experts"]:
         raise SpecError(f"{where}: top_k = {moe['top_k']} is more than the {moe['experts']} "
                         "experts.")
