@@ -279,12 +279,30 @@ def test_an_unknown_family_says_how_its_mlp_was_read(tmp_path: Path) -> None:
           d_ff=2048, vocab_size=32128), ["encoder-decoder", "'t5'", "decoder-only"]),
     (dict(model_type="bert", num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
           intermediate_size=3072, vocab_size=30522), ["encoder-only", "'bert'", "decoder-only"]),
+    # blocks that are not attention: costed as a transformer they would be silently wrong
+    (dict(model_type="mamba", num_hidden_layers=64, hidden_size=2560, vocab_size=50280,
+          state_size=16), ["recurrent or state-space model", "'mamba'", "every block attention"]),
+    (dict(LLAMA3_8B, model_type="jamba", attn_layer_period=8, attn_layer_offset=4,
+          num_experts=16, num_experts_per_tok=2), ["hybrid", "'jamba'"]),
+    (dict(LLAMA3_8B, model_type="newhybrid",
+          layer_types=["linear_attention"] * 3 + ["full_attention"]),
+     ["hybrid", "layer_types has 'linear_attention'"]),
+    (dict(LLAMA3_8B, model_type="newhybrid", hybrid_override_pattern="M-M-M*-"),
+     ["hybrid", "it states hybrid_override_pattern"]),
 ])
 def test_models_that_are_not_decoders_are_refused_as_such(tmp_path: Path, config, words) -> None:
     with pytest.raises(SpecError) as err:
         dims_from_hf_config(_hf(tmp_path, **config))
     for word in words:
         assert word in str(err.value)
+
+
+def test_attention_layer_types_are_not_refused(tmp_path: Path) -> None:
+    """Windowed and chunked attention blocks are attention: planned (chunked as causal, said)."""
+    dims = dims_from_hf_config(_hf(tmp_path, **dict(
+        LLAMA3_8B, layer_types=["chunked_attention", "full_attention"] * 16,
+        attention_chunk_size=8192)))
+    assert "chunked attention (8192 tokens) planned as causal" in dims.note
 
 
 def test_a_config_file_of_another_name_is_named_by_its_stem(tmp_path: Path) -> None:

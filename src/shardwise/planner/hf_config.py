@@ -46,6 +46,18 @@ UNTIED_BY_DEFAULT = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_mo
                                "llama4", "llama4_text", "gpt_oss"})
 ENCODER_ONLY = frozenset({"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "electra",
                           "albert", "distilbert", "camembert", "mpnet", "modernbert", "ernie"})
+#: state-space and recurrent families (no attention blocks)
+RECURRENT = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv5", "rwkv6", "xlstm",
+                       "recurrent_gemma"})
+#: families that mix attention with state-space or linear-attention blocks
+HYBRID = frozenset({"jamba", "zamba", "zamba2", "bamba", "nemotron_h", "falcon_h1",
+                    "granitemoehybrid", "qwen3_next", "lfm2", "minimax", "plamo2"})
+#: keys by which a config interleaves non-attention blocks
+HYBRID_KEYS = ("attn_layer_period", "layers_block_type", "hybrid_override_pattern",
+               "full_attn_idxs")
+#: `layer_types` entries that are attention (causal, windowed or chunked)
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "local_attention",
+                   "chunked_attention", "attention")
 #: the common key first, then the families' aliases (Hugging Face's attribute maps)
 ALIASES: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
@@ -164,6 +176,9 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
         kv = heads
         notes.append("MLA approximated as MHA (heads of the mean q/k and v width), weights exact")
     window, windowed = hf_sliding_window(config.get, layers)  # the model line says it
+    chunk = config.get("attention_chunk_size")
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+        notes.append(f"chunked attention ({chunk} tokens) planned as causal over the sequence")
     max_pos = get("max_position_embeddings", 0, minimum=0)
     dims = ModelDims(name=path.parent.name if path.name == "config.json" and path.parent.name
                      else path.stem, layers=layers, hidden=hidden, heads=heads,
@@ -185,16 +200,29 @@ def _has(config: dict[str, Any], key: str) -> bool:
 
 
 def _refuse_non_decoders(path: Path, config: dict[str, Any], family: str) -> None:
+    """Encoder-decoders, encoders, and models whose blocks are not all attention (state-space,
+    recurrent, linear-attention hybrids): costed as a transformer decoder their parameters,
+    FLOPs and memory would be silently wrong, so they are refused in words."""
+    types = config.get("layer_types")
+    other = sorted({t for t in types if isinstance(t, str) and t not in ATTENTION_TYPES}) \
+        if isinstance(types, list) else []
+    hybrid_key = next((k for k in HYBRID_KEYS if config.get(k) is not None), None)
     if config.get("is_encoder_decoder") is True:
         what = ("an encoder-decoder model (is_encoder_decoder = true"
                 f"{f', model_type {family!r}' if family else ''})")
     elif family in ENCODER_ONLY:
         what = f"an encoder-only model (model_type {family!r})"
+    elif family in RECURRENT:
+        what = f"a recurrent or state-space model (model_type {family!r}), not attention"
+    elif family in HYBRID or other or hybrid_key:
+        why = f"model_type {family!r}" if family in HYBRID else \
+            f"layer_types has {', '.join(map(repr, other))}" if other else f"it states {hybrid_key}"
+        what = f"a hybrid whose blocks are not all attention ({why})"
     else:
         return
-    raise SpecError(f"{path} is {what}; shardwise plan plans decoder-only language models. Plan a "
-                    "decoder-only model, or describe yours in a RunSpec (a user model is planned "
-                    "from what it declares).")
+    raise SpecError(f"{path} is {what}; shardwise plan plans decoder-only transformers, every "
+                    "block attention and an MLP or experts. Plan such a model, or describe yours "
+                    "in a RunSpec (a user model is planned from what it declares).")
 
 
 def _gated(config: dict[str, Any], family: str, notes: list[str]) -> bool:
