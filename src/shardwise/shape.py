@@ -14,7 +14,9 @@ views are derived from it by named conversions, never copied field by field:
 
 The spec's `[model]` section (`shardwise.spec.model`) is what a person writes, not a shape: it
 becomes a family's config where the model is built (`GPTConfig.from_fields`). A leaf module: no
-torch, and importable from every layer.
+torch, and importable from every layer. `hf_sliding_window` lives here because the planner (which
+reads a config.json and may not import `models/`) and the Hugging Face family (a loaded config)
+must read a config's window by one rule.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ def test_interleaved_and_shared_experts_from_hugging_face_configs(
         broken = dict(config.get("text_config", config))
         broken.pop("intermediate_size_mlp", None)
         if "moe_intermediate_size" not in broken:  # Llama 4: its dense width is stated apart
-            with pytest.raises(SpecError, match="dense FFN blocks of a width the config does"):
+            with pytest.raises(SpecError, match="one block of every 2, the others are dense "
+                                                "FFN blocks of a width the config does not"):
                 dims_from_hf_config(_hf(tmp_path, **broken))
 
 

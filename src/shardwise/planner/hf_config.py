@@ -150,8 +150,8 @@ def dims_from_hf_config(path: str | Path) -> ModelDims:
     # decoder_sparse_step); the others have the dense FFN
     moe_every = next((get(k) for k in MOE_STEP_KEYS if config.get(k)), 1) if experts else 1
     if moe_every > 1 and not ffn:
-        raise SpecError(f"{path}: {moe_every} in {moe_every} blocks leave the experts to "
-                        "dense FFN blocks of a width the config does not state "
+        raise SpecError(f"{path}: with experts in one block of every {moe_every}, the others "
+                        "are dense FFN blocks of a width the config does not state "
                         "(intermediate_size_mlp or intermediate_size); add it.")
     only_dense = config.get("mlp_only_layers")
     if experts and isinstance(only_dense, list) and only_dense:
