@@ -129,7 +129,8 @@ def _fill(pred: Prediction, params_note: str, eager: bool) -> dict[str, str]:
             "planner/elementwise.py)" if eager else "fused kernels, the least each op moves"),
         "attention": "fused kernels: the keys each query attends (the causal half of the "
                      "square; a sliding window's in a windowed block) / (peak x attention "
-                     "efficiency); unfused: batched GEMMs over the full square + softmax bytes",
+                     "efficiency, less for heads narrower than 128); unfused: batched GEMMs over "
+                     "the full square + softmax bytes",
         "tp_how": "2 all-gathers + 2 reduce-scatters" if lo.sequence_parallel else
                   "2 all-reduces forward, 2 backward",
         "tp": pl.get("tp", "-"), "cp": pl.get("cp", "-"), "ep": pl.get("ep", "-"),

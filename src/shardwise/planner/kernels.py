@@ -16,7 +16,8 @@ class is timed by what bounds it:
   tiles share the waves. (An earlier version timed them as one GEMM of all the routed rows: one
   weight's gradient, whose output of k x n tiles left most of an H100 idle.)
 - **Attention**: fused (FlashAttention-style) kernels skip the masked half of a causal square and
-  run forward (2 matmuls) and backward (5) at the generation's attention efficiency; in a
+  run forward (2 matmuls) and backward (5) at the generation's attention efficiency (fitted on
+  128-wide heads; narrower heads run slower, `head_width_factor`); in a
   sliding-window block they compute the window's keys (`telemetry.flops.attended_keys`) plus half
   a 128-key tile a query, the partial tile at the window's far edge; unfused
   attention runs its score and value matmuls as batched GEMMs over the full square and moves the
@@ -59,6 +60,11 @@ from shardwise.planner.params import SAVES_ALL, BlockSaves
 from shardwise.telemetry.flops import attended_keys
 
 TILE = 128  # output tile edge of the GEMMs wave quantisation counts
+#: head width at which a fused attention kernel's fixed work per score equals its matmuls' (the
+#: softmax and its rescaling against the 4·hd FLOPs a score costs): FlashAttention-3's bf16
+#: forward on an H100 SXM5 ran 497, 648 and 756 TFLOP/s at head widths 64, 128 and 256 (16K
+#: tokens; Shah et al. 2024, Figure 5), which hd / (hd + 56) reproduces within 1.5 %
+ATTENTION_HD_HALF = 56.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,16 @@ def _kernel_keys(model: ModelDims, seq_len: int) -> float:
     return (1.0 - share) * causal + share * windowed
 
 
+def head_width_factor(hd: int) -> float:
+    """A fused kernel's throughput at head width `hd` relative to 128, the width the attention
+    efficiency is fitted on: hd / (hd + ATTENTION_HD_HALF) over its value at 128, for narrower
+    heads only. Wider heads get no credit: FlashAttention-3 runs 256-wide heads 17 % faster, but
+    cuDNN (581 against 595 TFLOP/s) and FlashAttention-2 (326 against 370) do not."""
+    if hd <= 0 or hd >= 128:
+        return 1.0
+    return (hd / (hd + ATTENTION_HD_HALF)) / (128 / (128 + ATTENTION_HD_HALF))
+
+
 def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd: int, q: int,
                fused: bool, dropout: bool, chip: Chip,
                keys: float | None = None) -> tuple[OpTimes, OpTimes]:
@@ -262,7 +278,7 @@ def _attention(micro_batch: int, seq_len: int, tp: int, cp: int, heads: int, hd:
         # causal: each rank's queries see half the keys on average (load-balanced across cp)
         attended = seq_len / 2 if keys is None else keys
         fwd_flops = 4.0 * micro_batch * seq_len * attended * local_heads * hd / cp
-        t = fwd_flops / (chip.peak * chip.attention)
+        t = fwd_flops / (chip.peak * chip.attention * head_width_factor(hd))
         return OpTimes(attention=t), OpTimes(attention=2.5 * t)
     s = seq_len // cp
     per = micro_batch * local_heads
