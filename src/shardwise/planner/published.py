@@ -22,9 +22,10 @@ from shardwise.planner.comm import ORDERS
 from shardwise.planner.cost import FITTED_FIELDS, OVERHEAD_FIELDS, CostParams
 from shardwise.planner.figures import MEASURED_KINDS, MFU_FORMULAS, tokens_per_s
 from shardwise.planner.layout import MODELLED_RECOMPUTE, SCHEDULES, Batch, Layout
-from shardwise.planner.models import ModelDims, mla_attention
+from shardwise.planner.models import ModelDims
 from shardwise.planner.op_checkpoint import UNSUPPORTED, supports_op_checkpoint
 from shardwise.planner.params_file import refuse_renamed, validate_params
+from shardwise.planner.published_models import model_dims, whole
 from shardwise.spec.checks import choice
 from shardwise.spec.cluster import ClusterSpec, cluster_from_dict
 from shardwise.spec.toml import build_table
@@ -33,15 +34,6 @@ from shardwise.spec.training import PRECISIONS
 UNKNOWN = "unknown"
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "ep", "zero", "schedule", "v", "micro_batch", "recompute",
                "sequence_parallel", "order")
-#: a mixture of experts: routed experts, how many a token uses, always-active shared experts of
-#: the same width, one expert's FFN width, and the leading blocks that are dense (FFN `ffn`)
-MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ffn", "dense_layers", "moe_every")
-#: multi-head latent attention (DeepSeek-V2/V3, `models.mla_attention`); q_lora_rank 0: a full
-#: query projection
-MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-WINDOW_KEYS = ("window", "window_layers")  # sliding-window attention
-MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gated", "tied",
-              "head_dim", *MOE_KEYS, *MLA_KEYS, *WINDOW_KEYS)
 MAX_UNKNOWN_MICRO_BATCH = 8
 
 
@@ -120,7 +112,7 @@ def load(path: str | Path) -> list[Reference]:
             raise SpecError(f"{origin}: {key} must be {shape}.")
     if not data.get("runs"):
         raise SpecError(f"{origin}: no [[runs]]; a reference set lists at least one published run.")
-    models = {name: _model(name, table, origin) for name, table in data.get("models", {}).items()}
+    models = {name: model_dims(name, table, origin) for name, table in data.get("models", {}).items()}
     listed = [_source(s, origin) for s in data.get("sources", [])]
     sources = {s.id: s for s in listed}
     if len(sources) < len(listed):
@@ -131,121 +123,6 @@ def load(path: str | Path) -> list[Reference]:
     if dup:
         raise SpecError(f"{origin}: run ids {dup} appear more than once; give each row its own id.")
     return rows
-
-
-def _model(name: str, table: Mapping[str, Any], origin: str) -> ModelDims:
-    unknown = [k for k in table if k not in MODEL_KEYS]
-    if unknown:
-        raise SpecError(f"{origin}: [models.{name}] has unknown keys {unknown}; valid keys: "
-                        f"{', '.join(MODEL_KEYS)}.")
-    where = f"{origin}: [models.{name}]"
-    moe = _moe(table, where)
-    # an MoE model whose every block routes has no dense FFN to state
-    every_block_routes = bool(moe) and not moe["dense_layers"] and moe["moe_every"] == 1
-    needed = ("layers", "hidden", "heads", "vocab") + (() if every_block_routes else ("ffn",))
-    missing = [k for k in needed if k not in table]
-    if missing:
-        raise SpecError(f"{where} does not set {', '.join(missing)}; a model states layers, "
-                        "hidden, heads, ffn (the dense FFN width; an MoE model whose every block "
-                        "routes may leave it out) and vocab.")
-    if every_block_routes and "ffn" in table:
-        raise SpecError(f"{where}: ffn = {table['ffn']!r} has no block to apply to: every block "
-                        "of this MoE model routes (dense_layers = 0, moe_every = 1), and its "
-                        "experts, shared ones included, are expert_ffn wide. Remove ffn, or state "
-                        "the dense blocks it sizes (dense_layers leading, or moe_every).")
-    sizes = {k: _whole(table[k], k, where) for k in needed}
-    if moe and moe["moe_every"] > sizes["layers"]:
-        raise SpecError(f"{where}: moe_every = {moe['moe_every']} leaves no MoE block of the "
-                        f"{sizes['layers']}; state at most layers, or drop the MoE keys for a "
-                        "dense model.")
-    if moe and moe["dense_layers"] >= sizes["layers"]:
-        raise SpecError(f"{where}: dense_layers = {moe['dense_layers']} leaves no MoE block of "
-                        f"the {sizes['layers']}; state fewer, or drop the MoE keys for a dense "
-                        "model.")
-    kv, hd = table.get("kv_heads", 0), table.get("head_dim", 0)
-    for key, value in (("kv_heads", kv), ("head_dim", hd)):
-        if value:
-            _whole(value, key, where)
-        elif value != 0:
-            raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: the default).")
-    if kv and sizes["heads"] % kv:
-        raise SpecError(f"{where}: kv_heads = {kv} does not divide heads = {sizes['heads']}.")
-    attn = 0
-    if any(k in table for k in MLA_KEYS):
-        if kv or hd:
-            raise SpecError(f"{where}: kv_heads / head_dim do not apply to multi-head latent "
-                            f"attention ({', '.join(MLA_KEYS)}); remove them.")
-        missing = [k for k in MLA_KEYS[1:] if k not in table]
-        if missing:
-            raise SpecError(f"{where}: multi-head latent attention needs {', '.join(missing)} "
-                            "too (q_lora_rank may be left out: 0, a full query projection).")
-        q_rank = table.get("q_lora_rank", 0)
-        if q_rank:
-            _whole(q_rank, "q_lora_rank", where)
-        elif q_rank != 0:
-            raise SpecError(f"{where}: q_lora_rank = {q_rank!r} must be a whole number (0: a "
-                            "full query projection).")
-        kv_rank, nope, rope, v = (_whole(table[k], k, where) for k in MLA_KEYS[1:])
-        attn, hd = mla_attention(sizes["hidden"], sizes["heads"], q_rank, kv_rank, nope, rope, v)
-    if not hd and sizes["hidden"] % sizes["heads"]:
-        raise SpecError(f"{where}: heads = {sizes['heads']} does not divide hidden = "
-                        f"{sizes['hidden']}; state head_dim if the heads are not hidden / heads wide.")
-    window, windowed = _window(table, sizes["layers"], where)
-    flags = {k: table.get(k, default) for k, default in (("gated", True), ("tied", False))}
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise SpecError(f"{where}: {key} = {value!r} must be true or false.")
-    return ModelDims(name=name, layers=sizes["layers"], hidden=sizes["hidden"],
-                     heads=sizes["heads"], kv_heads=kv, ffn=sizes.get("ffn", 0),
-                     vocab=sizes["vocab"], gated=flags["gated"], tied=flags["tied"], head_dim=hd,
-                     attn_params=attn, experts=moe.get("experts", 0),
-                     top_k=moe.get("top_k", 0), shared_experts=moe.get("shared_experts", 0),
-                     expert_ffn=moe.get("expert_ffn", 0), dense_layers=moe.get("dense_layers", 0),
-                     moe_every=moe.get("moe_every", 1),
-                     window=window, window_layers=windowed, source=origin)
-
-
-def _window(table: Mapping[str, Any], layers: int, where: str) -> tuple[int, int]:
-    """A model's sliding window: `window` tokens in `window_layers` of its blocks (every block
-    when left out); (0, 0) without one."""
-    if "window" not in table:
-        if "window_layers" in table:
-            raise SpecError(f"{where}: window_layers = {table['window_layers']!r} needs window "
-                            "(the tokens a windowed block's queries see); state it, or remove "
-                            "window_layers.")
-        return 0, 0
-    window = _whole(table["window"], "window", where)
-    windowed = table.get("window_layers", layers)
-    if isinstance(windowed, bool) or not isinstance(windowed, int) or not 1 <= windowed <= layers:
-        raise SpecError(f"{where}: window_layers = {windowed!r} must be a whole number from 1 to "
-                        f"layers = {layers} (the blocks that attend within the window; leave it "
-                        "out for every block).")
-    return window, windowed
-
-
-def _moe(table: Mapping[str, Any], where: str) -> dict[str, int]:
-    """A model's mixture-of-experts fields (`MOE_KEYS`), checked; empty for a dense model."""
-    if not any(k in table for k in MOE_KEYS):
-        return {}
-    missing = [k for k in ("experts", "top_k", "expert_ffn") if k not in table]
-    if missing:
-        raise SpecError(f"{where}: an MoE model states experts, top_k and expert_ffn; "
-                        f"{', '.join(missing)} missing.")
-    moe = {k: _whole(table[k], k, where) for k in ("experts", "top_k", "expert_ffn")}
-    for key in ("shared_experts", "dense_layers"):
-        value = table.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise SpecError(f"{where}: {key} = {value!r} must be a whole number (0: none).")
-        moe[key] = value
-    every = table.get("moe_every", 1)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise SpecError(f"{where}: moe_every = {every!r} must be a whole number of at least 1 "
-                        "(block i routes when (i + 1) % moe_every == 0; 1: every block).")
-    moe["moe_every"] = every
-    if moe["top_k"] > moe["experts"]:
-        raise SpecError(f"{where}: top_k = {moe['top_k']} is more than the {moe['experts']} "
-                        "experts.")
-    return moe
 
 
 def _source(table: Mapping[str, Any], origin: str) -> Source:
@@ -274,7 +151,7 @@ def _reference(row: Mapping[str, Any], models: Mapping[str, ModelDims],
     except KeyError as err:
         raise SpecError(f"{where} names {err.args[0]!r}, which no [[sources]] or [models] entry "
                         "defines.") from None
-    gpus, global_batch, seq_len = (_whole(row.get(k), k, where)
+    gpus, global_batch, seq_len = (whole(row.get(k), k, where)
                                    for k in ("gpus", "global_batch", "seq_len"))
     precision = row.get("precision", "bf16")
     choice(f"{where}: precision", precision, PRECISIONS)
@@ -340,12 +217,6 @@ def _table(owner: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _whole(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{where}: {name} = {value!r} must be a whole number of at least 1.")
-    return value
-
-
 def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
     """A row's layout table, each field checked: tp, pp, cp, dp and zero stated; v, micro_batch,
     schedule, recompute and sequence_parallel stated or "unknown"."""
@@ -362,13 +233,13 @@ def _layout_spec(raw: Any, where: str) -> dict[str, Any]:
                         "sequence_parallel may be \"unknown\").")
     spec = dict(raw)
     for key in ("tp", "pp", "cp", "dp"):
-        _whole(spec[key], f"layout.{key}", where)
-    _whole(spec.setdefault("ep", 1), "layout.ep", where)
+        whole(spec[key], f"layout.{key}", where)
+    whole(spec.setdefault("ep", 1), "layout.ep", where)
     if spec["zero"] not in (0, 1, 2, 3) or isinstance(spec["zero"], bool):
         raise SpecError(f"{where}: layout.zero = {spec['zero']!r} must be 0 (DDP), 1, 2 or 3.")
     for key in ("v", "micro_batch"):
         if spec.get(key, UNKNOWN) != UNKNOWN:
-            _whole(spec[key], f"layout.{key}", where)
+            whole(spec[key], f"layout.{key}", where)
     for key, choices in (("schedule", SCHEDULES), ("recompute", MODELLED_RECOMPUTE)):
         choice(f"{where}: layout.{key}", spec.get(key, UNKNOWN), (*choices, UNKNOWN))
     choice(f"{where}: layout.order", spec.get("order", "tp-cp-dp-pp"), tuple(ORDERS))
