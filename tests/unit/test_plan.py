@@ -647,6 +647,18 @@ def test_the_planner_imports_no_torch() -> None:
 
 # --- CLI -----------------------------------------------------------------------------------------
 
+def test_cli_output_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
+    """`shardwise plan ... | head -1`: the pipe closes under the command, which stops with
+    141 (128 + SIGPIPE, as a Unix filter) and no traceback (it printed a BrokenPipeError's)."""
+    cmd = [sys.executable, "-m", "shardwise", "plan", "--validate"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command's first write, or between two
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "Broken" not in err and "Exception" not in err, err
+
+
 def test_cli_json_has_the_layout_keys(capsys) -> None:
     from shardwise.planner.report import JSON_KEYS
 

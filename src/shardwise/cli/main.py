@@ -4,6 +4,7 @@ unless it is a bug."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardwise.cli.output import print_error
@@ -52,13 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # what is still buffered, inside the handling below
+        return code
     except UserError as err:
         print_error(str(err))
         return err.exit_code
     except KeyboardInterrupt:
         print_error("interrupted. Whatever the run wrote so far stays in its run directory.")
         return 130
+    except BrokenPipeError:
+        # the reader closed the pipe (`| head`, `| grep -m1`): stop as a Unix filter does, without
+        # a traceback, and keep the interpreter's final flush from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

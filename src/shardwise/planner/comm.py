@@ -81,35 +81,47 @@ class Group:
             < min(self.intra_bandwidth, self.per_node * self.inter_bandwidth)
 
 
-def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base: float) -> Group:
+def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base: float,
+          outer: tuple[int, int] = (1, 0)) -> Group:
+    """The group of `size` ranks `stride` apart, and with `outer` = (n, s) that block of ranks
+    repeated n times s apart (s at least the block's span): FSDP's dp_shard x cp under the
+    data-parallel-outermost order, where pp sits between the two."""
+    reps, far = outer
+    total = size * reps
     g = cluster.devices_per_node
     intra = cluster.intra_bytes_per_s * efficiency
     inter_dev = cluster.inter_bytes_per_s_per_device * efficiency
     a_in, a_out = cluster.intra.latency_us * 1e-6, cluster.inter.latency_us * 1e-6
-    if size <= 1:
+    if total <= 1:
         return Group(1, 1, 1, intra, inter_dev, intra, a_in, a_out, base)
-    if size * stride <= g:
-        return Group(size, 1, size, intra, inter_dev, intra, a_in, a_out, base)
-    per_node = 1 if stride >= g else max(1, g // stride)
-    per_node = min(per_node, size)
-    nodes = math.ceil(size / per_node)
+    span = size * stride if reps == 1 else (reps - 1) * far + size * stride
+    if span <= g:
+        return Group(total, 1, total, intra, inter_dev, intra, a_in, a_out, base)
+
+    def within(block: int) -> int:
+        """Members in `block` consecutive devices aligned with the group's first."""
+        inner = min(size, max(1, block // stride)) if size * stride > block else size
+        return inner * (min(reps, max(1, block // far)) if reps > 1 else 1)
+
+    per_node = within(g)
+    nodes = math.ceil(total / per_node)
     bandwidth = min(intra, per_node * inter_dev)
     rail = cluster.topology.rails and stride % g == 0
     pod = cluster.pod_devices
-    if size * stride <= pod:
-        return Group(size, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base,
+    if span <= pod:
+        return Group(total, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base,
                      rail=rail)
-    per_pod = min(size, max(1, pod // stride))
-    pods = math.ceil(size / per_pod)
+    per_pod = within(pod)
+    pods = math.ceil(total / per_pod)
     over = cluster.topology.pod_oversubscription
-    return Group(size, nodes, per_node, min(bandwidth, per_pod * inter_dev / over), inter_dev,
+    return Group(total, nodes, per_node, min(bandwidth, per_pod * inter_dev / over), inter_dev,
                  intra, a_in, a_out, base, pods, per_pod, over, rail)
 
 
 @lru_cache(maxsize=8192)
 def cached_group(size: int, stride: int, cluster: ClusterSpec, efficiency: float,
-                 base: float) -> Group:
-    return group(size, stride, cluster, efficiency, base)
+                 base: float, outer: tuple[int, int] = (1, 0)) -> Group:
+    return group(size, stride, cluster, efficiency, base, outer)
 
 
 def _latency(grp: Group, steps: int, inter_steps: int, tree_factor: int) -> float:
@@ -225,14 +237,19 @@ def mesh_groups(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int, ep:
     ne = max(1, nd // ep)
     dp = dp_shard * dp_replicate
     # under the data-parallel-outermost order, dp_shard x cp is not contiguous when pp sits
-    # between them: the shard group's stride is cp's, its members dp_shard's (an approximation)
+    # between them: cp's block of ranks, repeated dp_shard times at dp_shard's stride
+    if order == "tp-cp-dp-pp" or dp_shard == 1:
+        shard = cached_group(nd, st["cp"], cluster, eff, base)
+    elif cp == 1:
+        shard = cached_group(nd, st["dp_shard"], cluster, eff, base)
+    else:
+        shard = cached_group(cp, st["cp"], cluster, eff, base, (dp_shard, st["dp_shard"]))
     groups = {
         "tp": cached_group(tp, 1, cluster, eff, base),
         "cp": cached_group(cp, st["cp"], cluster, eff, base),
         "ep": cached_group(ep, st["ep"], cluster, eff, base),
         "pp": cached_group(pp, st["pp"], cluster, eff, base),
-        "shard": cached_group(nd, st["cp"] if order == "tp-cp-dp-pp" else st["dp_shard"],
-                              cluster, eff, base),
+        "shard": shard,
         "shard_experts": cached_group(ne, st["ep"] * ep, cluster, eff, base),
         "replicate": cached_group(dp_replicate, st["dp_replicate"], cluster, eff, base),
         "dp": cached_group(dp, st["dp_shard"], cluster, eff, base),

@@ -97,13 +97,18 @@ def eager_bytes(model: ModelDims, kind: str, tokens: int, tp: int, sp: bool, q: 
 
 
 def module_recompute_bytes(model: ModelDims, kind: str, tokens: int, tp: int, sp: bool, q: int,
-                           r: int, saves: BlockSaves, routed_elems: int) -> float:
+                           r: int, saves: BlockSaves, routed_elems: int,
+                           dense_elems: int = 0) -> float:
     """Bytes a block's backward moves again for what the implementation recomputes instead of
-    saving (`BlockSaves`): each norm's forward (reads the residual, writes its output) and the
+    saving (`BlockSaves`): each norm's forward (reads the residual, writes its output), the
     routed experts' activation forward (`routed_elems`: the rank's routed activation elements a
-    token), counted as the fused model counts them."""
+    token) and the dense MLP's or shared experts' (`dense_elems`), counted as the fused model
+    counts them."""
     norms = 0.0 if saves.norms else 2 * (r + q) * model.hidden / (tp if sp else 1)
+    per_elem = (3 if model.gated else 2) * q
     act = 0.0
     if kind == "moe" and not saves.moe_act:
-        act = (3 if model.gated else 2) * q * routed_elems
+        act += per_elem * routed_elems
+    if not saves.act:
+        act += per_elem * dense_elems
     return tokens * (norms + act)

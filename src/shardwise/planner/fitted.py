@@ -6,47 +6,47 @@ left out of the fit), from which `planner/accuracy.py` draws the interval every 
 carries. Regenerate after a change to the cost model or the reference set.
 """
 
-GENERATED = "2026-12-06 23:39 UTC from published_runs.toml (sha256 37bd1de1bafe6851...)"
+GENERATED = "2026-12-07 02:12 UTC from published_runs.toml (sha256 a5255b964496de72...)"
 
 #: CostParams fields fitted on all rows (their defaults in `planner/params.py`)
 FITTED: dict[str, float] = {
-    "gemm_efficiency_ampere": 0.6802,
-    "gemm_efficiency_hopper": 0.5412,
+    "gemm_efficiency_ampere": 0.6805,
+    "gemm_efficiency_hopper": 0.5418,
     "attention_efficiency_ampere": 0.6,
-    "attention_efficiency_hopper": 0.5355,
-    "gemm_k_half_ampere": 125.0776,
-    "gemm_k_half_hopper": 180.8441,
+    "attention_efficiency_hopper": 0.5363,
+    "gemm_k_half_ampere": 126.7843,
+    "gemm_k_half_hopper": 184.6645,
     "overlap": 1.0,
-    "fsdp_overlap": 0.565,
-    "step_host_s": 0.0826,
+    "fsdp_overlap": 0.5603,
+    "step_host_s": 0.0825,
 }
 
 #: measured / predicted MFU of each row, predicted by a fit without its source, by generation
 HELD_OUT_RATIOS: dict[str, tuple[float, ...]] = {
     "ampere": (
-        0.9406, 0.9533, 0.9846, 0.971, 1.0305, 0.9674, 1.022, 1.0183, 1.034, 1.0864,
-        1.106, 1.0696, 1.0239, 1.0058, 1.0337, 1.0537, 0.9771, 0.9739, 0.9536, 0.9575,
-        0.9483, 0.9431, 0.991, 0.7986, 0.9389, 1.0038, 0.9586, 0.8181, 0.9406, 1.0205,
-        0.9347, 0.8896, 0.9657, 0.9495, 1.0235,
+        0.9402, 0.9531, 0.9845, 0.9709, 1.0305, 0.9674, 1.022, 1.0183, 1.034, 1.0866,
+        1.1054, 1.0689, 1.0233, 1.0052, 1.0331, 1.0531, 0.9766, 0.9733, 0.953, 0.9569,
+        0.9478, 0.9426, 0.9904, 0.7981, 0.9383, 1.0032, 0.958, 0.8176, 0.9401, 1.0198,
+        0.9341, 0.8892, 0.9651, 0.9489, 1.0228,
     ),
     "hopper": (
-        1.109, 1.1127, 1.1747, 1.1666, 0.9927, 0.9589, 0.9669, 1.0701, 1.0368, 0.9917,
-        0.984, 0.9969, 1.0179, 0.9258, 1.0425, 1.0242, 0.8957, 0.8992, 0.8943, 0.901,
-        0.9202, 0.9371, 0.9036, 0.9183, 0.9369, 0.9094, 0.9171,
+        1.1109, 1.1118, 1.1729, 1.1643, 0.9898, 0.9564, 0.9637, 1.0665, 1.0329, 0.9947,
+        0.9869, 1.0177, 0.9256, 1.0422, 1.024, 0.8959, 0.8994, 0.8944, 0.9009, 0.92,
+        0.9368, 0.9035, 0.9182, 0.9368, 0.9094, 0.9171,
     ),
 }
 
 #: measured / predicted MFU of each mixture-of-experts row, predicted by the fit above (none of them in it):
 #: published_moe.toml (sha256 d23752b5ff90c4e2...)
 MOE_RATIOS: tuple[float, ...] = (
-    0.7439, 0.7428, 0.7212, 0.7229, 0.8358, 0.6455, 0.6136, 0.6382, 0.9523, 0.8996,
-    0.7685, 0.8078,
+    0.744, 0.7428, 0.7212, 0.723, 0.8357, 0.6454, 0.6135, 0.6381, 0.9524, 0.8992,
+    0.7682, 0.8076,
 )
 
 #: MFU error in points: in-sample and held out
 SCORES: dict[str, float] = {
-    "in_sample_mae": 1.567,
-    "in_sample_max": 6.423,
-    "held_out_mae": 2.33,
-    "held_out_max": 7.084,
+    "in_sample_mae": 1.588,
+    "in_sample_max": 6.425,
+    "held_out_mae": 2.365,
+    "held_out_max": 7.103,
 }

@@ -206,7 +206,8 @@ def block_times(model: ModelDims, kind: str, micro_batch: int, seq_len: int, tp:
     count = eager_bytes if eager else fused_bytes
     fwd_bytes, bwd_bytes = count(model, kind, tokens, tp, sp, q, r, dropout, ffn_elems)
     routed = model.top_k * model.expert_ffn // tp if kind == "moe" else 0
-    bwd_bytes += module_recompute_bytes(model, kind, tokens, tp, sp, q, r, saves, routed)
+    dense = model.shared_experts * width if kind == "moe" else width
+    bwd_bytes += module_recompute_bytes(model, kind, tokens, tp, sp, q, r, saves, routed, dense)
     fwd_m = memory_time(fwd_bytes, chip)
     forward = OpTimes(gemm=fwd_g, memory=fwd_m) + att_f
     backward = OpTimes(gemm=bwd_g, memory=memory_time(bwd_bytes, chip)) + att_b

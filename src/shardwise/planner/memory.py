@@ -108,7 +108,9 @@ them the model under-predicted the GPT's saved activations by 20-30 %.
 What an implementation recomputes or never saves comes off per block (`CostParams` ->
 `BlockSaves`): Megatron-Core's module recompute of the norms ("layernorm": their outputs, and the
 eager fp32 normalised inputs with them) and of the routed experts' activation ("moe_act": its
-output; the first GEMM's output stays, being its input), and the experts' outputs at the combine
+output; the first GEMM's output stays, being its input), the same of the dense MLP's and shared
+experts' activation (`recompute_act`: a hand-written block backward that saves only the linear
+layers' outputs, as LLaMA's; Touvron et al. 2023, §2.4), and the experts' outputs at the combine
 where the router's weights scale the activation instead (Megatron-Core's weighted activation,
 AutoModel's DeepEP experts). Their forward runs again in backward (`planner/elementwise.py`).
 A recomputed block keeps only its input (r·x; ÷t under sequence parallel) and, once, the block
@@ -240,15 +242,17 @@ def layer_activation(model: ModelDims, kind: str, tokens: int, seq_full: int, tp
     # saved MLP tensors: SwiGLU's w1 and w3 outputs and their product (textbook), plus the eager
     # module's silu(w1 x); GeLU's input and output
     mats = (4 if eager else 3) if model.gated else 2
+    # recomputed, an activation keeps only its input: the first GEMM's output(s)
+    inputs = 2 if model.gated else 1
+    dense = mats if saves.act else inputs
     if kind == "moe":
         k = model.top_k
-        # recomputed, the activation keeps only its input: the first GEMM's output
-        routed = mats if saves.moe_act else (2 if model.gated else 1)
+        routed = mats if saves.moe_act else inputs
         combined = 1 if saves.combine else 0
-        split += (q * tokens * (routed * k + mats * model.shared_experts) * model.expert_ffn
+        split += (q * tokens * (routed * k + dense * model.shared_experts) * model.expert_ffn
                   + (1 + combined) * q * k * x + 8 * tokens * model.experts)
     else:
-        split += mats * q * tokens * model.ffn
+        split += dense * q * tokens * model.ffn
     return (rep + split) / tp if sp else rep + split / tp
 
 

@@ -149,12 +149,15 @@ class CostParams:
     # dispatch mode). False: fused kernels (Megatron-Core, Transformer Engine, torch.compile)
     # and the textbook activations (Korthikanti et al.).
     eager_modules: bool = True
-    # Megatron-Core's module-level recompute (`recompute_modules`), elementwise work redone in
-    # backward instead of saved (`planner/memory.py`): "layernorm", the norms' outputs recomputed
+    # Elementwise work redone in backward instead of saved (`planner/memory.py`), Megatron-Core's
+    # module-level recompute (`recompute_modules`): "layernorm", the norms' outputs recomputed
     # from their inputs; "moe_act", the routed experts' activation recomputed from the first
-    # GEMM's output. shardwise runs neither.
+    # GEMM's output. `recompute_act`: the dense MLP's (and shared experts') activation likewise,
+    # as a hand-written block backward that saves only what is expensive to compute (LLaMA,
+    # Touvron et al. 2023, §2.4: "the outputs of linear layers"). shardwise runs none of them.
     recompute_norms: bool = False
     recompute_moe_act: bool = False
+    recompute_act: bool = False
     # Where the router's weights scale the routed experts' outputs: at the combine, which saves
     # those outputs for the weights' gradient (shardwise's MoE, torchtitan's); False: inside the
     # experts' activation (Megatron-Core's weighted activation), the combine saving nothing.
@@ -218,17 +221,20 @@ FITTED_FIELDS = ("gemm_efficiency_ampere", "gemm_efficiency_hopper",
 class BlockSaves:
     """Which of a block's textbook tensors the implementation keeps for backward: the norms'
     outputs (False: recomputed, Megatron's "layernorm" module recompute), the routed experts'
-    activation output (False: Megatron's "moe_act") and the experts' outputs at the combine
-    (False: the router's weights applied inside the activation, so the combine needs none)."""
+    activation output (False: Megatron's "moe_act"), the dense MLP's and shared experts'
+    activation output (False: recomputed from the first GEMM's outputs) and the experts' outputs
+    at the combine (False: the router's weights applied inside the activation, so the combine
+    needs none)."""
 
     norms: bool = True
     moe_act: bool = True
     combine: bool = True
+    act: bool = True
 
     @classmethod
     def of(cls, params: CostParams) -> BlockSaves:
         return cls(norms=not params.recompute_norms, moe_act=not params.recompute_moe_act,
-                   combine=params.moe_weights_at_combine)
+                   combine=params.moe_weights_at_combine, act=not params.recompute_act)
 
 
 #: an implementation that keeps every textbook tensor (shardwise's own)

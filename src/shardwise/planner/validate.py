@@ -69,8 +69,8 @@ START: dict[str, float] = {
 #: variance (3.2 points^2, the in-sample source-mean squared error) over the sources the loss
 #: averages (6): 0.53, taken as 0.5 (it was 2.3 / 5 = 0.47 before BLOOM's rows). Without it a field
 #: that only one source identifies runs to a bound when that source is held out (FSDP's overlap
-#: share without MosaicML, the Hopper attention efficiency without Llama 3's 128K row), and the
-#: held-out source pays for it.
+#: share without MosaicML; the Hopper attention efficiency, which only short-sequence rows
+#: exercise since Llama 3's 128K row went to the probes), and the held-out source pays for it.
 PRIOR_WEIGHT = 0.5
 #: which fields a generation's rows identify (a field no training row exercises is not fitted)
 GENERATION_FIELDS = {"ampere": ("gemm_efficiency_ampere", "attention_efficiency_ampere",
