@@ -647,6 +647,26 @@ def test_the_planner_imports_no_torch() -> None:
 
 # --- CLI -----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("option, value", [("--tokens", "-5T"), ("--global-batch-tokens", "-16M"),
+                                           ("--tokens", "-1e12")])
+def test_a_negative_value_with_a_suffix_is_named_by_its_option(capsys, option, value) -> None:
+    """argparse takes `-5T` for an option and said only "expected one argument"; the value now
+    reaches the option's own check, which names it and says what to give (exit 2)."""
+    code = main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", option, value])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{option} '{value}'" in err and "expected one argument" not in err
+
+
+@pytest.mark.parametrize("value", ["-1e-5", "nan", "inf"])
+def test_verify_refuses_a_tolerance_that_is_no_tolerance(capsys, tmp_path, value) -> None:
+    """`verify --rtol -1e-5` reached the runs once a negative value got past argparse, and failed
+    every layout; it is refused first (exit 2, nothing run)."""
+    code = main(["verify", "--rtol", value, "--out", str(tmp_path / "v")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "--rtol" in err and "at least 0" in err
+    assert not (tmp_path / "v").exists()
+
+
 def test_cli_output_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
     """`shardwise plan ... | head -1`: the pipe closes under the command, which stops with
     141 (128 + SIGPIPE, as a Unix filter) and no traceback (it printed a BrokenPipeError's)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from shardwise.cli.output import print_error
@@ -49,9 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: a negative value (-5T, -16M, -1e-5): argparse takes one with a suffix or an exponent for an
+#: option, not a value; no option of shardwise starts with a digit
+_NEGATIVE = re.compile(r"^-\.?\d")
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--tokens -5T` as `--tokens=-5T`, so the option's own check names what is wrong with the
+    value (argparse said only "expected one argument")."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":  # what follows is positional, as given
+            return out + argv[i:]
+        if (arg.startswith("--") and "=" not in arg and i + 1 < len(argv)
+                and _NEGATIVE.match(argv[i + 1])):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # what is still buffered, inside the handling below

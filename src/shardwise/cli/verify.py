@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -49,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: run at least 1 step.")
+    if not math.isfinite(args.rtol) or args.rtol < 0:
+        raise UserError(f"--rtol {args.rtol:g}: give a finite relative tolerance of at least 0 (0 asks "
+                        "for exact agreement; the default 1e-5 allows float reassociation).")
     layouts = [parse_layout(name) for name in args.layouts.split(",") if name.strip()]
     if not layouts:
         raise UserError("--layouts is empty; name at least one layout, e.g. --layouts dp1,zero3-2.")
