@@ -153,3 +153,33 @@ def test_context_parallel_refuses_a_windowed_config_by_the_same_rule() -> None:
     check_context_parallel(transformers.Qwen2Config(use_sliding_window=False,
                                                     sliding_window=16, **small))
     check_context_parallel(transformers.MistralConfig(sliding_window=None, **small))
+
+
+def test_the_plan_never_writes_context_parallel_for_a_windowed_model(tmp_path: Path,
+                                                                        capsys) -> None:
+    """The planner costs cp on a windowed model (the ring's work is what a windowed ring would
+    do), but shardwise refuses it (above): such layouts are marked as not run today in the table
+    and the JSON, and `--write-spec` writes the best layout without cp. Expert parallel, which
+    shardwise runs, is not marked."""
+    from shardwise.cli.main import main
+    from shardwise.planner.layout import Layout, not_run_today
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MISTRAL_7B))
+    windowed = dims_from_hf_config(path)
+    causal = dataclasses.replace(windowed, window=0, window_layers=0)
+    cp2 = Layout(dp_shard=2, zero=2, cp=2)
+    assert "sliding-window" in (not_run_today(cp2, windowed) or "")
+    assert not_run_today(cp2, causal) is None
+    assert not_run_today(Layout(dp_shard=8, zero=2, ep=8), causal) is None
+    assert "dp-outer" in (not_run_today(Layout(dp_shard=2, zero=2, pp=2, schedule="1f1b",
+                                                order="tp-cp-pp-dp"), causal) or "")
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--model", str(path), "--cluster", "dgx-h100", "--nodes", "1",
+                 "--seq-len", "32768", "--global-batch", "16", "--json", "--top", "100000",
+                 "--write-spec", str(out)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert any(r["cp"] > 1 for r in rows)
+    assert all(r["available"] == (r["cp"] == 1) for r in rows)
+    written = next(r for r in rows if r["available"])
+    assert f"# layout {written['name']}:" in out.read_text()

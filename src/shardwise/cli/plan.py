@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.planner.accuracy import interval
     from shardwise.planner.cluster import resolve_cluster
     from shardwise.planner.costing import cost_lines
-    from shardwise.planner.layout import Batch
+    from shardwise.planner.layout import Batch, not_run_today
     from shardwise.planner.search import search, smallest_cluster
 
     if args.top < 1:
@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if tokens and not args.json:
         print("\n" + "\n".join(cost_lines(result.top(args.top), cluster, tokens, band)), file=out)
     if args.write_spec:
-        chosen = next((p for p in result.feasible if p.layout.available), result.feasible[0])
+        chosen = next((p for p in result.feasible if not not_run_today(p.layout, result.model)),
+                      result.feasible[0])
         path = Path(args.write_spec).expanduser()
         text = report.spec_text(chosen, result, base)
         try:

@@ -4,8 +4,9 @@ The degrees are shardwise's (`shardwise.parallel.dims.ParallelDims`): the world 
 dp_replicate x dp_shard x cp x tp x pp; expert parallel borrows its ranks from dp_shard x cp (as
 torchtitan does), so it does not enter the product. The rules mirror what `shardwise train`
 refuses (`parallel/dims.py`, `parallel/checks.py`) so that every layout the planner returns is one
-shardwise would start — except ep, and cp with pp, which the planner models ahead of shardwise
-running them (`Layout.available` says so).
+shardwise would start — except a data-parallel-outermost mesh and context parallel on a
+sliding-window model, which the planner costs (published runs use the first) but shardwise does not
+run (`not_run_today` says which).
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class Layout:
 
     @property
     def available(self) -> bool:
-        """Whether this version of shardwise runs it (expert parallel and a
-        data-parallel-outermost mesh: not in the planner's search yet)."""
-        return self.ep == 1 and self.order == "tp-cp-dp-pp"
+        """Whether this version of shardwise runs the mesh (a data-parallel-outermost one it
+        does not; `not_run_today` adds what depends on the model)."""
+        return self.order == "tp-cp-dp-pp"
 
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
@@ -210,4 +211,15 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
             return f"{lo.schedule} needs >= pp = {lo.pp} micro-batches per step, has {m}"
         if lo.schedule != "gpipe" and lo.v > 1 and m % lo.pp:
             return f"{m} micro-batches is not a multiple of pp = {lo.pp}"
+    return None
+
+
+def not_run_today(layout: Layout, model: ModelDims) -> str | None:
+    """Why this version of shardwise would refuse to run `layout` for `model`, in words, or
+    None: the planner costs such layouts (published runs use them) but does not write them."""
+    if not layout.available:
+        return "a data-parallel-outermost mesh (+dp-outer)"
+    if layout.cp > 1 and model.window and model.window_layers:
+        return (f"context parallel on a sliding-window model (window {model.window}): the ring "
+                "runs plain causal attention")
     return None

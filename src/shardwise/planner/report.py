@@ -8,6 +8,7 @@ from typing import Any
 from shardwise.planner.accuracy import HIGH_Q, LOW_Q, Interval
 from shardwise.planner.cost import Prediction
 from shardwise.planner.costing import run_cost
+from shardwise.planner.layout import not_run_today
 from shardwise.planner.models import ModelDims
 from shardwise.planner.search import PlanResult
 from shardwise.spec.cluster import GIB, ClusterSpec
@@ -29,6 +30,7 @@ def layouts_json(predictions: list[Prediction], band: Interval | None = None,
     for p in predictions:
         row = p.as_dict()
         if model is not None:
+            row["available"] = not not_run_today(p.layout, model)
             row["model"] = {"name": model.name, "params": model.params,
                             "active_params": model.active_params, "summary": model.describe(),
                             "note": model.note, "source": model.source}
@@ -96,11 +98,11 @@ def human(result: PlanResult, top: int, band: Interval | None = None) -> str:
         if best.pod_bound:
             lines.append(f"placement: #1's {', '.join(best.pod_bound)} groups span pods, and the "
                          "oversubscribed uplinks between pods bound them")
-        if not best.layout.available:
-            ready = next((p for p in result.feasible if p.layout.available), None)
+        why = not_run_today(best.layout, m)
+        if why:
+            ready = next((p for p in result.feasible if not not_run_today(p.layout, m)), None)
             lines.append("")
-            lines.append("note: #1 uses expert parallel, context with pipeline parallel or a "
-                         "data-parallel-outermost mesh, which shardwise does not run yet"
+            lines.append(f"note: #1 uses {why}, which shardwise does not run yet"
                          + (f"; the best it runs today: {ready.layout.name()} ({100 * ready.mfu:.1f} % MFU)"
                             if ready else "") + ".")
         if not m.opaque:
@@ -181,7 +183,7 @@ def spec_text(pred: Prediction, result: PlanResult, base: RunSpec | None) -> str
     if c.nodes > 1:
         header.append(f"# {c.nodes} nodes: start it under torchrun --nnodes {c.nodes} "
                       f"--nproc-per-node {c.devices_per_node} (the world is their product)")
-    if not lo.available:
-        header.append("# ep > 1, cp > 1 with pp > 1, or data parallel outermost (+dp-outer): this "
-                      "version of shardwise does not run them yet")
+    why = not_run_today(lo, m)
+    if why:
+        header.append(f"# {why}: this version of shardwise does not run it yet")
     return "\n".join(header) + "\n\n" + body
