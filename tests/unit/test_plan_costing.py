@@ -17,7 +17,7 @@ from shardwise.planner.accuracy import Interval
 from shardwise.planner.cluster import PRESETS as CLUSTERS
 from shardwise.planner.cluster import resolve_cluster
 from shardwise.planner.cost import TERMS, chip_for, predict
-from shardwise.planner.layout import Batch, Layout, layout_problem
+from shardwise.planner.layout import Batch, Layout, layout_problem, not_run_today
 from shardwise.planner.models import ModelDims, preset
 from shardwise.planner.params import CostParams
 from shardwise.planner.search import orders
@@ -290,7 +290,7 @@ def test_mesh_orders_place_the_axes_inside_out() -> None:
     model, batch = preset("llama3-8b"), Batch(64, 8192)
     cluster = resolve_cluster("dgx-h100", nodes=8)
     lo = Layout(dp_shard=4, zero=2, tp=8, pp=2, schedule="1f1b", order="tp-cp-pp-dp")
-    assert layout_problem(lo, model, cluster, batch) is None and not lo.available
+    assert layout_problem(lo, model, cluster, batch) is None and not_run_today(lo, model)
     assert lo.name().endswith("+dp-outer")
     bad = Layout(dp_shard=4, zero=2, tp=8, pp=2, schedule="1f1b", order="pp-first")
     assert "mesh order" in (layout_problem(bad, model, cluster, batch) or "")

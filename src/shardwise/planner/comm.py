@@ -106,7 +106,8 @@ def group(size: int, stride: int, cluster: ClusterSpec, efficiency: float, base:
     per_node = within(g)
     nodes = math.ceil(total / per_node)
     bandwidth = min(intra, per_node * inter_dev)
-    rail = cluster.topology.rails and stride % g == 0
+    # its members share a local index when every stride between them is whole nodes
+    rail = cluster.topology.rails and (size == 1 or stride % g == 0) and (reps == 1 or far % g == 0)
     pod = cluster.pod_devices
     if span <= pod:
         return Group(total, nodes, per_node, bandwidth, inter_dev, intra, a_in, a_out, base,
@@ -238,12 +239,8 @@ def mesh_groups(tp: int, cp: int, dp_shard: int, dp_replicate: int, pp: int, ep:
     dp = dp_shard * dp_replicate
     # under the data-parallel-outermost order, dp_shard x cp is not contiguous when pp sits
     # between them: cp's block of ranks, repeated dp_shard times at dp_shard's stride
-    if order == "tp-cp-dp-pp" or dp_shard == 1:
-        shard = cached_group(nd, st["cp"], cluster, eff, base)
-    elif cp == 1:
-        shard = cached_group(nd, st["dp_shard"], cluster, eff, base)
-    else:
-        shard = cached_group(cp, st["cp"], cluster, eff, base, (dp_shard, st["dp_shard"]))
+    shard = cached_group(nd, st["cp"], cluster, eff, base) if order == "tp-cp-dp-pp" else \
+        cached_group(cp, st["cp"], cluster, eff, base, (dp_shard, st["dp_shard"]))
     groups = {
         "tp": cached_group(tp, 1, cluster, eff, base),
         "cp": cached_group(cp, st["cp"], cluster, eff, base),

@@ -76,12 +76,6 @@ class Layout:
     def world(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
-    @property
-    def available(self) -> bool:
-        """Whether this version of shardwise runs the mesh (a data-parallel-outermost one it
-        does not; `not_run_today` adds what depends on the model)."""
-        return self.order == "tp-cp-dp-pp"
-
     def micro_batches(self, batch: Batch) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
         return batch.global_batch // (self.dp * self.micro_batch)
@@ -217,7 +211,7 @@ def layout_problem(layout: Layout, model: ModelDims, cluster: ClusterSpec,
 def not_run_today(layout: Layout, model: ModelDims) -> str | None:
     """Why this version of shardwise would refuse to run `layout` for `model`, in words, or
     None: the planner costs such layouts (published runs use them) but does not write them."""
-    if not layout.available:
+    if layout.order != "tp-cp-dp-pp":
         return "a data-parallel-outermost mesh (+dp-outer)"
     if layout.cp > 1 and model.window and model.window_layers:
         return (f"context parallel on a sliding-window model (window {model.window}): the ring "

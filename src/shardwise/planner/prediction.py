@@ -50,7 +50,7 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = asdict(self.layout)
-        out.update(name=self.layout.name(), available=self.layout.available,
+        out.update(name=self.layout.name(),
                    micro_batches=self.micro_batches, fits=self.fits,
                    mem_per_rank_bytes=self.memory.total, memory=self.memory.as_dict(),
                    memory_rank=self.memory_rank, capacity_bytes=self.capacity_bytes,

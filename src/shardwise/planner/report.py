@@ -24,7 +24,8 @@ def layouts_json(predictions: list[Prediction], band: Interval | None = None,
                  cluster: ClusterSpec | None = None, tokens: float | None = None,
                  model: ModelDims | None = None) -> str:
     """The predictions as a JSON list; with `tokens` (and the cluster) each carries its run's
-    cost (`planner/costing.py`); with `model`, how the model was read (a script can check which
+    cost (`planner/costing.py`); with `model`, whether shardwise runs it (`available`,
+    `not_run_today`) and how the model was read (a script can check which
     interpretation of a config was planned)."""
     out = []
     for p in predictions:
